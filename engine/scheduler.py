@@ -1,0 +1,102 @@
+"""The scheduler: continuous batching with chunked prefill under a per-step token budget,
+admission by KV watermark, and preemption (free, recompute later) when blocks run out."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ScheduledRequest
+from engine.request import Request
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose prompt KV arrived from elsewhere joins the batch directly."""
+        request.status = "running"
+        self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens still to be prefilled, waiting or in flight: the prefill load signal."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return queued + sum(
+            r.num_tokens - r.num_computed_tokens for r in self.running if r.num_output_tokens == 0
+        )
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.config.chunk_size
+        batch: list[ScheduledRequest] = []
+        # Running requests first: decodes (1 token) and the next chunk of partial prefills.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted by an earlier iteration
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, batch):
+                continue
+            batch.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        # Then admit waiting requests while budget, sequence slots and the watermark allow.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not request.block_ids:
+                request.num_computed_tokens = self.kv.match_prefix(request)
+                if request.first_scheduled_time_s is None:
+                    request.num_cached_tokens = request.num_computed_tokens
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._can_admit(request, num_new):
+                break
+            self.kv.allocate_slots(request, num_new)
+            self.waiting.popleft()
+            request.status = "running"
+            self.running.append(request)
+            batch.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return batch
+
+    def _can_admit(self, request: Request, num_new: int) -> bool:
+        pool = self.kv.pool
+        num_new_blocks = self.kv.num_new_blocks_needed(request, num_new)
+        within_watermark = (
+            pool.num_used_blocks + num_new_blocks <= self.config.watermark * pool.num_blocks
+        )
+        # An idle engine always admits one request, or a low watermark could stall forever.
+        return num_new_blocks <= pool.num_free_blocks and (within_watermark or not self.running)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, batch: list[ScheduledRequest]
+    ) -> bool:
+        """Allocates slots, preempting the newest running request until they fit; False if the
+        request itself had to be preempted."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = "waiting"
+        self.waiting.appendleft(request)
