@@ -1,0 +1,1 @@
+"""Tests of the Helm chart (helm/pdserve) with the real helm, kubernetes-validate and checkov."""
