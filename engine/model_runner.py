@@ -49,6 +49,15 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledRequest]) -> dict[str, int]:
         """Runs one forward pass over the batch; returns the next token of every request whose
         pass completed in this step."""
+        sampled, logits = self.forward(batch)
+        if not sampled:
+            return {}
+        token_ids = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        return {r.request_id: t for r, t in zip(sampled, token_ids, strict=True)}
+
+    def forward(self, batch: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor]:
+        """Writes the batch's new KV into the cache; returns the requests that need a next token
+        and their last-position logits [n, vocab] (float32)."""
         input_ids, positions, meta = self._prepare(batch)
         rows, sampled = [], []
         token_end = 0
@@ -61,10 +70,7 @@ class ModelRunner:
         logits = self.model.forward(
             input_ids, positions, self.kv_cache, meta, self.attention, logit_rows
         )
-        if not sampled:
-            return {}
-        token_ids = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
-        return {r.request_id: t for r, t in zip(sampled, token_ids, strict=True)}
+        return sampled, logits
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.config.block_size
