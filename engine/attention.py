@@ -137,7 +137,7 @@ class FlashAttnBackend(AttentionBackend):
             torch.cat(queries), torch.cat(keys), torch.cat(values), cu_q, cu_k,
             max(q_lens), max(k_lens), causal=True,
         )  # fmt: skip
-        order = [seg.token_start + i for seg in meta.prefills for i in range(seg.token_end - seg.token_start)]
+        order = [t for seg in meta.prefills for t in range(seg.token_start, seg.token_end)]
         order += meta.decode_token_ids.tolist()
         out = torch.empty_like(q)
         out[torch.tensor(order, device=device)] = o

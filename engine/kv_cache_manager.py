@@ -76,4 +76,5 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(request.block_hashes), request.num_tokens // bs):
             parent = request.block_hashes[i - 1] if i else None
-            request.block_hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
+            block_tokens = request.token_ids[i * bs : (i + 1) * bs]
+            request.block_hashes.append(hash_block(parent, block_tokens))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,9 @@ class LLMEngine:
             config.num_blocks * config.block_size,
         )
         self._prefill_tokens_per_s = 0.0
+        # Called on the engine thread after a step computed KV for a request, before any of its
+        # blocks can be freed: the prefill worker ships finished blocks from here.
+        self.on_computed: Callable[[Request], None] | None = None
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -116,10 +120,17 @@ class LLMEngine:
         self.requests[request_id] = request
         return request
 
-    def commit_remote_prefill(self, request_id: str, first_token_id: int) -> StepOutput:
-        """The prompt's KV has landed: append the first token and join the decode batch."""
+    def commit_remote_prefill(
+        self, request_id: str, first_token_id: int, sampler_state: bytes = b""
+    ) -> StepOutput:
+        """The prompt's KV has landed: append the first token and join the decode batch.
+        sampler_state (the sender's RNG state after sampling the first token) makes a seeded
+        request continue exactly as it would in one process."""
         request = self.requests[request_id]
         assert request.status == "awaiting_kv", request.status
+        if sampler_state and request.generator is not None:
+            state = torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8)
+            request.generator.set_state(state)
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time_s = request.arrival_time_s
         self.kv.cache_computed_blocks(request)
@@ -134,6 +145,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        now = time.monotonic()
+        for item in batch:
+            if item.request.first_scheduled_time_s is None:
+                item.request.first_scheduled_time_s = now
         start = time.perf_counter()
         next_tokens = self.runner.execute(batch)
         self._record_prefill_speed(batch, time.perf_counter() - start)
@@ -141,9 +156,9 @@ class LLMEngine:
         for item in batch:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if request.first_scheduled_time_s is None:
-                request.first_scheduled_time_s = time.monotonic()
             self.kv.cache_computed_blocks(request)
+            if self.on_computed is not None:
+                self.on_computed(request)
             token = next_tokens.get(request.request_id)
             if token is not None:
                 outputs.append(self._append_token(request, token))

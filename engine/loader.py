@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import shutil
-import importlib.util
 from pathlib import Path
 
 import numpy as np

@@ -67,6 +67,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == "finished"
 
+    def sampler_state(self) -> bytes:
+        """The RNG state, to hand a seeded request over to another worker mid-stream."""
+        return b"" if self.generator is None else self.generator.get_state().numpy().tobytes()
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:

@@ -1,0 +1,104 @@
+"""The worker registry in Redis: each worker's role, addresses, capacity and live load, under a
+key with a TTL that its heartbeat refreshes. A worker whose key expires is out of rotation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+import redis
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+KEY_PREFIX = "pdserve:workers"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    queued_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    prefill_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    role: Role
+    worker_id: str
+    address: str  # host:port of the worker's gRPC server
+    metrics_url: str
+    kv_backend: str
+    max_model_len: int
+    chunk_size: int
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    updated_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerInfo:
+        data = json.loads(raw)
+        data["load"] = WorkerLoad(**data["load"])
+        return cls(**data)
+
+
+def worker_key(role: str, worker_id: str) -> str:
+    return f"{KEY_PREFIX}:{role}:{worker_id}"
+
+
+class Registry:
+    def __init__(self, redis_url: str) -> None:
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+
+    def publish(self, info: WorkerInfo, ttl_s: float) -> None:
+        info = replace(info, updated_at=time.time())
+        self.redis.set(worker_key(info.role, info.worker_id), info.to_json(), px=int(ttl_s * 1000))
+
+    def remove(self, role: Role, worker_id: str) -> None:
+        self.redis.delete(worker_key(role, worker_id))
+
+    def workers(self, role: Role) -> list[WorkerInfo]:
+        keys = sorted(self.redis.scan_iter(match=f"{KEY_PREFIX}:{role}:*", count=500))
+        if not keys:
+            return []
+        return [WorkerInfo.from_json(raw) for raw in self.redis.mget(keys) if raw is not None]
+
+
+class Heartbeat:
+    """Publishes a worker's entry every ttl/3 seconds until stopped; stop() removes it."""
+
+    def __init__(
+        self, registry: Registry, info: Callable[[], WorkerInfo], ttl_s: float = 6.0
+    ) -> None:
+        self.registry = registry
+        self.info = info
+        self.ttl_s = ttl_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.registry.publish(self.info(), self.ttl_s)  # fail loudly at start-up, not later
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        info = self.info()
+        self.registry.remove(info.role, info.worker_id)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.ttl_s / 3):
+            try:
+                self.registry.publish(self.info(), self.ttl_s)
+            except redis.RedisError as e:  # keep serving; the entry may lapse until Redis is back
+                log.warning("registry heartbeat failed: %s", e)

@@ -1,0 +1,215 @@
+"""What every worker process shares: engine + KV agent start-up, the gRPC server with health and
+reflection, Prometheus /metrics, warm-up, the registry heartbeat, and SIGTERM draining."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Gauge, Histogram, start_http_server
+
+import kvtransfer
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.engine_loop import EngineLoop
+from pdserve.lengths import LengthBuckets
+from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "Free KV cache blocks", ["role"])
+KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", ["role"])
+KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["role"])
+QUEUED_TOKENS = Gauge(
+    "pdserve_prefill_queued_tokens", "Prompt tokens waiting or being prefilled", ["role"]
+)
+RUNNING_REQUESTS = Gauge("pdserve_running_requests", "Requests in the running batch", ["role"])
+STEP_SECONDS = Histogram(
+    "pdserve_engine_step_seconds", "Duration of one engine step", ["role"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    role: Role
+    worker_id: str
+    redis_url: str
+    host: str = "127.0.0.1"  # where the gRPC, metrics and tcp KV servers bind
+    port: int = 0  # 0: the OS picks (tests); the CLI defaults to fixed ports
+    advertise_host: str | None = None  # how peers reach us (the pod IP on Kubernetes)
+    metrics_port: int = 0
+    kv_backend: kvtransfer.Backend = "auto"
+    registry_ttl_s: float = 6.0
+    drain_grace_s: float = 30.0
+    warmup: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    length_buckets: LengthBuckets = field(default_factory=LengthBuckets)
+
+
+class DrainingError(RuntimeError):
+    pass
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.engine = LLMEngine(settings.engine)
+        self.loop = EngineLoop(self.engine, on_step=self._observe_step)
+        layout = kvtransfer.KVLayout.of(settings.engine.model, self.engine.kv_cache)
+        bind_host = settings.host if settings.host not in ("0.0.0.0", "::") else None
+        self.kv_agent = kvtransfer.create_agent(
+            settings.kv_backend, settings.worker_id, self.engine.kv_cache, layout,
+            host=bind_host or settings.advertise_host or "127.0.0.1",
+        )  # fmt: skip
+        self.registry = Registry(settings.redis_url)
+        self.health = health.HealthServicer()
+        self.server = grpc.server(
+            ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"{settings.role}-rpc"),
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        self.port = 0
+        self.metrics_port = 0
+        self._draining = threading.Event()
+        self._stopped = threading.Event()
+        self._in_flight = 0
+        self._in_flight_lock = threading.Condition()
+        self._heartbeat: Heartbeat | None = None
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def start(self, services: list[tuple[Callable, object, str]]) -> WorkerRuntime:
+        """services: (add_XServicer_to_server, servicer, full service name) per service."""
+        for add, servicer, _ in services:
+            add(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [name for _, _, name in services]
+        for name in ("", *names):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC on {self.settings.host}:{self.settings.port}")
+        metrics_server, _ = start_http_server(self.settings.metrics_port, self.settings.host)
+        self.metrics_port = metrics_server.server_port
+        self.server.start()
+        self.loop.start()
+        if self.settings.warmup:
+            self.loop.call(self._warm_up)
+        for name in ("", *names):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._heartbeat = Heartbeat(self.registry, self.info, self.settings.registry_ttl_s).start()
+        log.info("%s worker %s serving on %s", self.settings.role, self.settings.worker_id,
+                 self.address)  # fmt: skip
+        return self
+
+    def _warm_up(self) -> None:
+        """One prefill per length bucket and a few decode steps, before reporting SERVING, so
+        no user request pays first-run costs."""
+        engine = self.engine
+        lengths = self.settings.length_buckets.representatives(engine.max_model_len - 4)
+        started = time.perf_counter()
+        for i, n in enumerate(lengths):
+            prompt = [(7 * j + i) % 1000 + 100 for j in range(n)]
+            engine.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=3, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.pool.reset_cache()  # warm-up prompts must not occupy the prefix cache
+        log.info("warm-up over %s-token prompts took %.1f s", lengths,
+                 time.perf_counter() - started)  # fmt: skip
+
+    # ---- identity and load ------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        host = self.settings.advertise_host or self.settings.host
+        return f"{host}:{self.port}"
+
+    def info(self) -> WorkerInfo:
+        stats = self.engine.stats()  # plain reads of counters: safe off the engine thread
+        host = self.settings.advertise_host or self.settings.host
+        return WorkerInfo(
+            role=self.settings.role,
+            worker_id=self.settings.worker_id,
+            address=self.address,
+            metrics_url=f"http://{host}:{self.metrics_port}/metrics",
+            kv_backend=self.kv_agent.backend,
+            max_model_len=self.engine.max_model_len,
+            chunk_size=self.settings.engine.chunk_size,
+            load=WorkerLoad(
+                queued_tokens=stats.num_queued_tokens,
+                running_requests=stats.num_running_requests,
+                waiting_requests=stats.num_waiting_requests,
+                free_blocks=stats.num_free_blocks,
+                total_blocks=stats.num_blocks,
+                prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            ),
+        )
+
+    def _observe_step(self, seconds: float, batch_size: int) -> None:
+        role, pool = self.settings.role, self.engine.pool
+        STEP_SECONDS.labels(role).observe(seconds)
+        KV_BLOCKS_FREE.labels(role).set(pool.num_free_blocks)
+        KV_BLOCKS_USED.labels(role).set(pool.num_used_blocks)
+        KV_CACHE_USAGE.labels(role).set(pool.usage)
+        QUEUED_TOKENS.labels(role).set(self.engine.scheduler.num_queued_tokens)
+        RUNNING_REQUESTS.labels(role).set(len(self.engine.scheduler.running))
+
+    # ---- request admission and draining -------------------------------------------------------
+    @contextmanager
+    def serving(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Wraps every RPC: refuses new work while draining, counts work in flight."""
+        with self._in_flight_lock:
+            if self._draining.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; retry elsewhere")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+                self._in_flight_lock.notify_all()
+
+    def drain(self) -> None:
+        """Leave the registry, refuse new work, finish in-flight work within the grace period,
+        then stop."""
+        if self._draining.is_set():
+            return
+        self._draining.set()
+        log.info("draining: %d requests in flight", self._in_flight)
+        self.health.enter_graceful_shutdown()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        with self._in_flight_lock:
+            self._in_flight_lock.wait_for(
+                lambda: self._in_flight == 0, timeout=self.settings.drain_grace_s
+            )
+        self.stop()
+
+    def stop(self) -> None:
+        self._draining.set()
+        if self._heartbeat is not None and not self._stopped.is_set():
+            try:
+                self._heartbeat.stop()
+            except Exception as e:  # Redis gone at shutdown: the TTL cleans up
+                log.warning("could not remove registry entry: %s", e)
+        self.server.stop(grace=1.0).wait()
+        self.loop.stop()
+        self.kv_agent.close()
+        self._stopped.set()
+
+    def serve_forever(self) -> None:
+        """Blocks until SIGTERM/SIGINT, then drains."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        self.drain()
