@@ -1,0 +1,102 @@
+"""Real processes for end-to-end tests: a Redis server and pdserve workers on loopback."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from pdserve.redis_server import RedisServer
+from pdserve.registry import Registry, WorkerInfo
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    worker_id: str
+    process: subprocess.Popen
+    info: WorkerInfo | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.info is not None
+        return self.info.address
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample from the worker's Prometheus /metrics (0.0 when not yet exported)."""
+        assert self.info is not None
+        text = urllib.request.urlopen(self.info.metrics_url, timeout=5).read().decode()
+        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        pattern = rf"^{re.escape(name)}(\{{{re.escape(wanted)}\}})? (\S+)$" if wanted else (
+            rf"^{re.escape(name)} (\S+)$"
+        )  # fmt: skip
+        for line in text.splitlines():
+            match = re.match(pattern, line)
+            if match:
+                return float(match.groups()[-1])
+        return 0.0
+
+
+@dataclass
+class Cluster:
+    kv_backend: str = "tcp"
+    registry_ttl_s: float = 2.0
+    extra_args: list[str] = field(default_factory=list)
+    redis: RedisServer = field(default_factory=RedisServer)
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.registry = Registry(self.redis.url)
+
+    def start(self, role: str, *args: str, wait: bool = True) -> WorkerProcess:
+        worker_id = f"{role}-{len(self.workers)}"
+        command = [
+            sys.executable, "-m", "pdserve.cli", role, "--redis-url", self.redis.url,
+            "--port", "0", "--metrics-port", "0", "--threads", "1", "--worker-id", worker_id,
+            "--kv-backend", self.kv_backend, "--registry-ttl-s", str(self.registry_ttl_s),
+            "--no-warmup", "--log-level", "warning", *self.extra_args, *args,
+        ]  # fmt: skip
+        worker = WorkerProcess(role, worker_id, subprocess.Popen(command))
+        self.workers.append(worker)
+        if wait:
+            self.wait_registered(worker)
+        return worker
+
+    def wait_registered(self, worker: WorkerProcess, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [
+                w for w in self.registry.workers(worker.role) if w.worker_id == worker.worker_id
+            ]
+            if found:
+                worker.info = found[0]
+                return
+            if worker.process.poll() is not None:
+                raise RuntimeError(f"{worker.worker_id} exited with {worker.process.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{worker.worker_id} did not register in {timeout_s} s")
+            time.sleep(0.2)
+
+    def load(self, worker: WorkerProcess):
+        """The worker's live load, as its next heartbeat publishes it."""
+        time.sleep(self.registry_ttl_s / 2)  # one heartbeat period (ttl/3) and a margin
+        [info] = [w for w in self.registry.workers(worker.role) if w.worker_id == worker.worker_id]
+        return info.load
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                worker.process.kill()
+                worker.process.wait(timeout=30)
+        self.redis.stop()

@@ -1,0 +1,65 @@
+"""End to end through real processes: Redis + prefill + decode, for each KV transfer backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from tests.workers.conftest import generate, token_ids
+
+LONG_PROMPT = " ".join(
+    f"Note {i}: the warehouse shipped {i * 11} crates of apples to the harbour on day {i}."
+    for i in range(70)
+)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy tokens of the single-process engine."""
+
+    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return llm.generate([prompt_ids], params)[0].token_ids
+
+    return run
+
+
+def test_tokens_equal_the_single_process_engine(cluster, llm, reference):
+    prefill, decode = cluster.workers
+    short = llm.tokenizer.encode("The capital of France is")
+    long = llm.tokenizer.encode(LONG_PROMPT)
+    assert len(long) > 1200  # three chunks of 512, shipped as they finish
+    for prompt in (short, long):
+        messages = generate(
+            decode.address, prompt, prefill.address, max_tokens=8, temperature=0.0,
+            ignore_eos=True,
+        )  # fmt: skip
+        assert token_ids(messages) == reference(prompt, 8)
+        final = messages[-1]
+        assert final.finish_reason == "length"
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), 8)
+        assert messages[0].ttft.prefill_compute_s > 0
+    load = cluster.load(decode)
+    assert load.free_blocks == load.total_blocks
+
+
+def test_a_shared_prefix_transfers_only_the_missing_blocks(cluster, llm):
+    prefill, decode = cluster.workers
+    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4  # layers * (K, V) * block * kv heads * dim * fp32
+    backend = cluster.kv_backend
+    sent = lambda: prefill.metric(  # noqa: E731
+        "pdserve_kv_transfer_bytes_total", backend=backend, direction="sent"
+    )
+    report = " ".join(f"Line {i}: sensor {i % 7} read {i * 3} degrees." for i in range(120))
+    shared = llm.tokenizer.encode(report)[:640]  # 40 full blocks, seen by no earlier test
+    first = shared + llm.tokenizer.encode(" Question one: how many crates?")
+    second = shared + llm.tokenizer.encode(" Question two: which day was busiest?")
+
+    before = sent()
+    generate(decode.address, first, prefill.address, max_tokens=2, temperature=0.0)
+    after_first = sent()
+    assert after_first - before == -(-len(first) // 16) * bytes_per_block
+
+    generate(decode.address, second, prefill.address, max_tokens=2, temperature=0.0)
+    # The decode worker still caches the 40 shared blocks: only the rest crosses the wire.
+    assert sent() - after_first == (-(-len(second) // 16) - 40) * bytes_per_block
