@@ -112,7 +112,6 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         num_cached_blocks = reserved.num_cached_tokens // self.block_size
         dst = list(reserved.block_ids)
         message = wpb.PrefillRequest(
-            request_id=rid,
             prompt_token_ids=prompt,
             params=wire.sampling_proto(params),
             kv_destination=wpb.KVDestination(
@@ -123,23 +122,27 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         )
         agent = self.runtime.kv_agent
         errors = []
-        for address in self._prefill_targets(request.prefill_address):
-            agent.expect(rid, dst[num_cached_blocks:])
+        for attempt, address in enumerate(self._prefill_targets(request.prefill_address)):
+            # A fresh transfer id per attempt: bytes still in flight from a failed attempt can
+            # never be mistaken for the retry's.
+            transfer_id = f"{rid}/{attempt}"
+            message.request_id = transfer_id
+            agent.expect(transfer_id, dst[num_cached_blocks:])
             try:
                 response = self._stub(address).Prefill(
                     message, timeout=self.settings.prefill_timeout_s
                 )
-                agent.wait(rid, self.settings.prefill_timeout_s)
+                agent.wait(transfer_id, self.settings.prefill_timeout_s)
                 metrics.PREFILL_ATTEMPTS.labels("ok").inc()
                 return response
             except grpc.RpcError as e:
-                agent.cancel(rid)
+                agent.cancel(transfer_id)
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     # The request itself is bad: another worker would say the same.
                     raise InvalidRequestError(f"prefill rejected the request: {e.details()}") from e
                 errors.append(f"{address}: {e.code().name} {e.details()}")
             except kvtransfer.KVTransferError as e:
-                agent.cancel(rid)
+                agent.cancel(transfer_id)
                 errors.append(f"{address}: {e}")
             metrics.PREFILL_ATTEMPTS.labels("failed").inc()
             log.warning("%s: prefill on %s failed: %s", rid, address, errors[-1])

@@ -1,0 +1,83 @@
+"""Helpers for the router tests: worker records for the pure tests, an in-process router on
+its own event loop thread for the cluster tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+from pdserve.registry import WorkerInfo, WorkerLoad
+from router.server import RouterServer
+from router.settings import RouterSettings
+from router.ticket import Ticket, affinity_key
+from router.workers import WorkerPool
+
+MODEL = "smollm2-135m"
+
+
+def worker(
+    role: str, worker_id: str, *, tokens_per_s: float = 0.0, queued_tokens: int = 0,
+    running: int = 0, free_blocks: int = 1024, total_blocks: int = 1024,
+    max_model_len: int = 8192, updated_at: float = 0.0,
+) -> WorkerInfo:  # fmt: skip
+    load = WorkerLoad(
+        queued_tokens=queued_tokens, running_requests=running, free_blocks=free_blocks,
+        total_blocks=total_blocks, prefill_tokens_per_s=tokens_per_s,
+    )  # fmt: skip
+    return WorkerInfo(role, worker_id, f"{worker_id}:1", "", "tcp", max_model_len, 512, load,
+                      updated_at)  # fmt: skip
+
+
+def ticket(
+    request_id: str, num_prompt_tokens: int, *, arrival_s: float = 0.0, max_tokens: int = 16,
+    bucket: str | None = None, prompt: list[int] | None = None,
+) -> Ticket:  # fmt: skip
+    from pdserve.lengths import LengthBuckets
+
+    return Ticket(
+        request_id=request_id,
+        num_prompt_tokens=num_prompt_tokens,
+        max_tokens=max_tokens,
+        num_kv_blocks=-(-(num_prompt_tokens + max_tokens) // 16),
+        bucket=bucket or LengthBuckets().of(num_prompt_tokens),  # type: ignore[arg-type]
+        arrival_s=arrival_s,
+        affinity_key=affinity_key(prompt or [num_prompt_tokens]),
+    )
+
+
+def pool_of(*infos: WorkerInfo, default_tokens_per_s: float = 500.0) -> WorkerPool:
+    pool = WorkerPool(default_tokens_per_s)
+    for role in ("prefill", "decode"):
+        pool.update(role, [i for i in infos if i.role == role])
+    return pool
+
+
+def with_load(info: WorkerInfo, **load: object) -> WorkerInfo:
+    return replace(info, load=replace(info.load, **load))
+
+
+class InProcessRouter:
+    """A RouterServer on its own loop thread, so a test can call it with blocking clients."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = self.call(RouterServer(settings).start())
+
+    def call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    def stop(self) -> None:
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
