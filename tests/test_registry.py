@@ -1,0 +1,57 @@
+"""The worker registry against a real Redis server: publish, list, expire, remove."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.redis_server import RedisServer
+from pdserve.registry import Heartbeat, Registry, WorkerInfo, WorkerLoad
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with RedisServer() as server:
+        yield Registry(server.url)
+
+
+def info(role: str, worker_id: str, queued_tokens: int = 0) -> WorkerInfo:
+    return WorkerInfo(
+        role=role, worker_id=worker_id, address=f"127.0.0.1:{5000 + len(worker_id)}",
+        metrics_url="http://127.0.0.1:9400/metrics", kv_backend="tcp", max_model_len=8192,
+        chunk_size=512, load=WorkerLoad(queued_tokens=queued_tokens, total_blocks=64),
+    )  # fmt: skip
+
+
+def test_workers_are_listed_by_role_with_their_load(registry):
+    registry.publish(info("prefill", "p1", queued_tokens=300), ttl_s=30)
+    registry.publish(info("prefill", "p2"), ttl_s=30)
+    registry.publish(info("decode", "d1"), ttl_s=30)
+    prefills = registry.workers("prefill")
+    assert [(w.worker_id, w.load.queued_tokens) for w in prefills] == [("p1", 300), ("p2", 0)]
+    assert [w.worker_id for w in registry.workers("decode")] == ["d1"]
+    assert prefills[0].updated_at > 0
+    for role, worker_id in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1")):
+        registry.remove(role, worker_id)
+    assert registry.workers("prefill") == []
+
+
+def test_an_entry_expires_without_heartbeats(registry):
+    registry.publish(info("decode", "short-lived"), ttl_s=0.3)
+    assert [w.worker_id for w in registry.workers("decode")] == ["short-lived"]
+    time.sleep(0.5)
+    assert registry.workers("decode") == []
+
+
+def test_a_heartbeat_keeps_the_entry_fresh_and_stop_removes_it(registry):
+    load = {"queued": 0}
+    heartbeat = Heartbeat(
+        registry, lambda: info("prefill", "hb", queued_tokens=load["queued"]), ttl_s=0.6
+    ).start()
+    load["queued"] = 42
+    time.sleep(1.0)  # past the TTL: only heartbeats keep it alive
+    [entry] = registry.workers("prefill")
+    assert entry.load.queued_tokens == 42
+    heartbeat.stop()
+    assert registry.workers("prefill") == []
