@@ -1,0 +1,174 @@
+"""Admission control: queue a request until a prefill worker has token budget and a decode
+worker has KV room for it, or reject it at once when the wait would be too long."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.lengths import LENGTH_BUCKETS
+from pdserve.registry import Role
+from router import metrics
+from router.admission.queue import AdmissionQueue
+from router.errors import Overloaded, RejectReason, Unavailable
+from router.ledger import Assignment
+from router.routing import RoutingPolicies
+from router.settings import AdmissionSettings
+from router.ticket import Ticket
+from router.workers import WorkerPool, WorkerView
+
+
+@dataclass(slots=True)
+class Lease:
+    """A dispatched request's hold on its workers: the prefill hold ends with the first token,
+    the decode hold with the request."""
+
+    ticket: Ticket
+    prefill: WorkerView
+    decode: WorkerView
+    queue_wait_s: float
+    holds: dict[Role, Assignment]
+    release: Callable[[Role, Assignment], None]
+
+    def end_prefill(self) -> None:
+        self.release("prefill", self.holds["prefill"])
+
+    def end(self) -> None:
+        for role, hold in self.holds.items():
+            self.release(role, hold)
+
+
+class Admission:
+    def __init__(
+        self, settings: AdmissionSettings, pool: WorkerPool, policies: RoutingPolicies,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.pool = pool
+        self.policies = policies
+        self.clock = clock
+        self.queue = AdmissionQueue(settings.delays_s())
+        self._waiters: dict[str, asyncio.Future[Lease]] = {}
+
+    async def admit(self, ticket: Ticket) -> Lease:
+        """Waits for the request's turn; raises Overloaded or Unavailable instead of queueing
+        when it cannot be served in time."""
+        self._check_pools(ticket)
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.request_id] = future
+        self.queue.push(ticket)
+        self.dispatch()
+        if not future.done():
+            self._check_queue(ticket)
+        try:
+            async with asyncio.timeout(self.settings.queue_timeout_s):
+                return await future
+        except TimeoutError:
+            self._abandon(ticket, future)
+            raise self._reject(
+                ticket, "queue_timeout",
+                f"waited {self.settings.queue_timeout_s:.0f} s in the queue without capacity",
+                self.settings.max_queue_wait_s,
+            ) from None  # fmt: skip
+        except asyncio.CancelledError:  # the client went away while queued
+            self._abandon(ticket, future)
+            raise
+
+    def dispatch(self) -> None:
+        """Hands out leases in queue order while the head request fits; strict head-of-line,
+        so a request that does not fit yet is never starved by smaller ones behind it."""
+        while (ticket := self.queue.peek()) is not None:
+            future = self._waiters.get(ticket.request_id)
+            if future is None or future.done():  # cancelled while queued
+                self.queue.pop()
+                self._waiters.pop(ticket.request_id, None)
+                continue
+            lease = self._place(ticket)
+            if lease is None:
+                break
+            self.queue.pop()
+            del self._waiters[ticket.request_id]
+            future.set_result(lease)
+        self._observe_depth()
+
+    def estimated_wait_s(self, ticket: Ticket) -> float:
+        """When the tokens in front of this request (in the workers and ahead in the queue)
+        have drained to within the workers' budgets, it can go: that many tokens at the
+        workers' measured speed."""
+        workers = self.pool.views("prefill")
+        if not workers:
+            return 0.0
+        in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
+        budget = self.settings.prefill_token_budget * len(workers)
+        excess = in_front + ticket.num_prompt_tokens - budget
+        return max(0.0, excess) / sum(w.tokens_per_s for w in workers)
+
+    def _place(self, ticket: Ticket) -> Lease | None:
+        prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+        if prefill is None:
+            return None
+        decode = self.policies.decode.choose(self.pool.views("decode"), ticket)
+        if decode is None:
+            return None
+        holds: dict[Role, Assignment] = {
+            "prefill": self.pool.assign("prefill", prefill.worker_id, ticket.num_prompt_tokens),
+            "decode": self.pool.assign("decode", decode.worker_id, ticket.num_kv_blocks),
+        }
+        wait_s = self.clock() - ticket.arrival_s
+        metrics.QUEUE_WAIT.labels(ticket.bucket).observe(wait_s)
+        metrics.ROUTED.labels("prefill", prefill.worker_id).inc()
+        metrics.ROUTED.labels("decode", decode.worker_id).inc()
+        return Lease(ticket, prefill, decode, wait_s, holds, self._release)
+
+    def _release(self, role: Role, hold: Assignment) -> None:
+        if hold.ended_at is None:
+            self.pool.release(role, hold)
+            self.dispatch()
+
+    def _check_pools(self, ticket: Ticket) -> None:
+        for role in ("prefill", "decode"):
+            if not self.pool.infos(role):
+                raise Unavailable(f"no {role} worker is registered; retry when one is up")
+        decode = self.pool.views("decode")
+        num_free = sum(w.free_blocks for w in decode)
+        num_total = sum(w.total_blocks for w in decode)
+        if num_free < self.settings.kv_reject_below_ratio * num_total:
+            raise self._reject(
+                ticket, "kv_headroom",
+                f"decode KV cache is full ({num_free} of {num_total} blocks free)", 1.0,
+            )  # fmt: skip
+
+    def _check_queue(self, ticket: Ticket) -> None:
+        """For a request that has to wait: is there room, and would the wait be acceptable?"""
+        wait_s = self.estimated_wait_s(ticket)
+        limit_s = self.settings.max_queue_wait_s
+        if len(self.queue) > self.settings.max_queued_requests:
+            self._drop(ticket, "queue_full", f"{len(self.queue) - 1} requests queued", wait_s)
+        if wait_s > limit_s:
+            message = f"estimated queue wait {wait_s:.1f} s is over the {limit_s:.1f} s limit"
+            self._drop(ticket, "queue_wait", message, wait_s - limit_s)
+
+    def _drop(self, ticket: Ticket, reason: RejectReason, message: str, retry_s: float) -> None:
+        self.queue.remove(ticket)
+        del self._waiters[ticket.request_id]
+        self._observe_depth()
+        raise self._reject(ticket, reason, message, max(1.0, retry_s))
+
+    def _abandon(self, ticket: Ticket, future: asyncio.Future[Lease]) -> None:
+        self._waiters.pop(ticket.request_id, None)
+        if self.queue.remove(ticket):
+            self._observe_depth()
+        elif future.done() and not future.cancelled():
+            future.result().end()  # dispatched just as the client gave up: hand it back
+
+    def _reject(
+        self, ticket: Ticket, reason: RejectReason, message: str, retry_after_s: float
+    ) -> Overloaded:
+        metrics.REJECTIONS.labels(reason, ticket.bucket).inc()
+        return Overloaded(reason, message, retry_after_s)
+
+    def _observe_depth(self) -> None:
+        for bucket in LENGTH_BUCKETS:
+            metrics.QUEUE_DEPTH.labels(bucket).set(self.queue.depth(bucket))

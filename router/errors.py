@@ -1,0 +1,95 @@
+"""Typed errors the router answers with, and the one table mapping each to its HTTP status,
+OpenAI error type and gRPC status code."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+
+RejectReason = Literal["queue_full", "queue_wait", "queue_timeout", "kv_headroom", "decode_kv"]
+
+
+class RouterError(Exception):
+    """A request the router answers with an error; param/code fill OpenAI's error body."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(RouterError):
+    pass
+
+
+class PromptTooLong(InvalidRequest):
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class BodyTooLarge(RouterError):
+    def __init__(self, num_bytes: int, max_bytes: int) -> None:
+        super().__init__(f"request body of {num_bytes} bytes is over the {max_bytes}-byte limit")
+
+
+class Unauthorized(RouterError):
+    def __init__(self) -> None:
+        super().__init__(
+            "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+
+
+class NotFound(RouterError):
+    pass
+
+
+class Overloaded(RouterError):
+    """Backpressure: retry after retry_after_s (Retry-After / grpc-retry-pushback-ms)."""
+
+    def __init__(self, reason: RejectReason, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{message}; retry in {retry_after_s:.0f} s", code="rate_limit_exceeded")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+class Unavailable(RouterError):
+    """No worker can take the request (none registered, or the chosen one failed)."""
+
+
+class UpstreamError(RouterError):
+    """A worker answered with an error that is neither the client's fault nor load."""
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    http: int
+    openai_type: str
+    grpc: grpc.StatusCode
+
+
+# The one mapping, most specific class first.
+_STATUS: list[tuple[type[RouterError], Status]] = [
+    (InvalidRequest, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
+    (Unauthorized, Status(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)),
+    (NotFound, Status(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)),
+    (BodyTooLarge, Status(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
+    (Overloaded, Status(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)),
+    (UpstreamError, Status(502, "api_error", grpc.StatusCode.INTERNAL)),
+    (Unavailable, Status(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE)),
+]
+INTERNAL = Status(500, "api_error", grpc.StatusCode.INTERNAL)
+
+
+def status_of(error: RouterError) -> Status:
+    for kind, status in _STATUS:
+        if isinstance(error, kind):
+            return status
+    return INTERNAL

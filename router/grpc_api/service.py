@@ -1,0 +1,101 @@
+"""pdserve.v1.Generation: the same request path as the HTTP API, and the one place router
+errors become gRPC statuses."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from pdserve import wire
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc
+from router import metrics
+from router.errors import InvalidRequest, Overloaded, RouterError, Unauthorized, status_of
+from router.gateway import Gateway, Run
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        run = await self._open(request, context, "Generate")
+        try:
+            async for message in run.messages():
+                message.request_id = request.request_id or message.request_id
+                yield message
+        except RouterError as e:
+            await _abort(context, e, "Generate")
+        finally:
+            run.close()  # also when the client cancels: that cancels the decode call
+
+    async def Complete(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        run = await self._open(request, context, "Complete")
+        whole = pb.GenerateResponse()
+        try:
+            async for message in run.messages():
+                whole.token_ids.extend(message.token_ids)
+                whole.text += message.text
+                whole.finish_reason = message.finish_reason
+                if message.HasField("ttft"):
+                    whole.ttft.CopyFrom(message.ttft)
+                if message.HasField("usage"):
+                    whole.usage.CopyFrom(message.usage)
+        except RouterError as e:
+            await _abort(context, e, "Complete")
+        finally:
+            run.close()
+        whole.request_id = request.request_id or run.job.ticket.request_id
+        return whole
+
+    async def _open(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
+    ) -> Run:
+        received_s = time.monotonic()
+        gateway = self.gateway
+        try:
+            _authorize(context, gateway.settings.api_key)
+            kind = request.WhichOneof("prompt")
+            if kind is None:
+                raise InvalidRequest("the request has no prompt: set text or token_ids")
+            ids = (
+                await gateway.tokenize(request.text)
+                if kind == "text"
+                else list(request.token_ids.ids)
+            )
+            job = gateway.job(ids, lambda room: wire.sampling_params(request.params), received_s)
+            run = await gateway.open(job)
+        except RouterError as e:
+            await _abort(context, e, method)
+        metrics.REQUESTS.labels(f"grpc/{method}", grpc.StatusCode.OK.name).inc()
+        return run
+
+
+def _authorize(context: grpc.aio.ServicerContext, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    metadata = dict(context.invocation_metadata() or ())
+    scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    ):
+        raise Unauthorized()
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: RouterError, method: str) -> NoReturn:
+    code = status_of(error).grpc
+    metrics.REQUESTS.labels(f"grpc/{method}", code.name).inc()
+    trailers: tuple[tuple[str, str], ...] = ()
+    if isinstance(error, Overloaded):  # gRPC's retry policies honour this pushback
+        trailers = (("grpc-retry-pushback-ms", str(int(error.retry_after_s * 1000))),)
+    await context.abort(code, error.message, trailing_metadata=trailers)

@@ -1,0 +1,163 @@
+"""The FastAPI app: routes, the API-key check, and the one place router errors become HTTP
+responses in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from engine import SamplingParams
+from router import metrics
+from router.errors import NotFound, Overloaded, RouterError, Unauthorized, status_of
+from router.gateway import Gateway, Job
+from router.http_api.body_limit import BodyLimit
+from router.http_api.openai_format import Kind, Responder, error_body, error_json
+from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
+from router.http_api.streaming import ClientGone, collect, sse_events, until_disconnect
+from router.workers import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+def error_response(error: RouterError) -> JSONResponse:
+    status = status_of(error)
+    headers = {"Retry-After": error.retry_after_header} if isinstance(error, Overloaded) else {}
+    return JSONResponse(error_json(error, status), status.http, headers)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    settings = gateway.settings
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=error_response)
+
+    @app.exception_handler(RouterError)
+    async def on_router_error(request: Request, error: RouterError) -> Response:
+        metrics.REQUESTS.labels(request.url.path, str(status_of(error).http)).inc()
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, error: HTTPException) -> Response:
+        # Starlette's own errors (unknown path, wrong method) keep their status.
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(error_body(message, "invalid_request_error"), error.status_code)
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, error: ClientGone) -> Response:
+        metrics.REQUESTS.labels(request.url.path, "499").inc()
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    async def authorized(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), settings.api_key.encode()
+        ):
+            raise Unauthorized()
+
+    guarded = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        counts = {role: len(gateway.pool.infos(role)) for role in ("prefill", "decode")}
+        ready = all(counts.values())
+        body = {"status": "ok" if ready else "no workers", "workers": counts}
+        return JSONResponse(body, 200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        model = {"id": settings.model, "object": "model", "created": 0, "owned_by": "pdserve"}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/admin/workers", dependencies=guarded)
+    async def workers() -> dict[str, Any]:
+        admission = gateway.admission
+        queue = {b: admission.queue.depth(b) for b in admission.queue.delays_s}
+        views = [v for role in ("prefill", "decode") for v in gateway.pool.views(role)]
+        return {"workers": [_worker_json(v) for v in views], "queue": queue}
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request) -> Response:
+        received_s = time.monotonic()
+        body = parse_body(await request.body(), CompletionBody)
+        _check(body, settings.model)
+        prompt = body.single_prompt()
+        ids = await gateway.tokenize(prompt) if isinstance(prompt, str) else prompt
+        fields = body.sampling_fields()
+        job = gateway.job(ids, lambda room: SamplingParams(**fields), received_s)
+        return await _respond(request, gateway, job, body, "completion")
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: Request) -> Response:
+        received_s = time.monotonic()
+        body = parse_body(await request.body(), ChatBody)
+        _check(body, settings.model)
+        text = await gateway.render_chat(body.template_messages())
+        ids = await gateway.tokenize(text, "messages")
+        fields = body.sampling_fields()
+
+        def params(room: int) -> SamplingParams:
+            # Chat without max_tokens may use the rest of the context, as OpenAI's API does.
+            return SamplingParams(**({"max_tokens": room} | fields))
+
+        job = gateway.job(ids, params, received_s, "messages")
+        return await _respond(request, gateway, job, body, "chat")
+
+    return app
+
+
+def _check(body: GenerationBody, model: str) -> None:
+    if body.model is not None and body.model != model:
+        raise NotFound(f"model {body.model!r} does not exist; this server serves {model!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+    body.check_supported()
+
+
+async def _respond(
+    request: Request, gateway: Gateway, job: Job, body: GenerationBody, kind: Kind
+) -> Response:
+    run = await until_disconnect(request, gateway.open(job))
+    metrics.REQUESTS.labels(request.url.path, "200").inc()
+    responder = Responder(kind, job.ticket.request_id, gateway.settings.model)
+    if body.stream:
+        events = sse_events(run, responder, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    try:
+        text, finish_reason, usage = await until_disconnect(request, collect(run))
+    finally:
+        run.close()
+    return JSONResponse(responder.response(text, finish_reason, usage))
+
+
+def _worker_json(view: WorkerView) -> dict[str, Any]:
+    info = view.info
+    return {
+        "role": info.role,
+        "worker_id": info.worker_id,
+        "address": info.address,
+        "metrics_url": info.metrics_url,
+        "kv_backend": info.kv_backend,
+        "max_model_len": info.max_model_len,
+        "heartbeat_age_s": round(max(0.0, time.time() - info.updated_at), 3),
+        "reported_load": asdict(info.load),
+        "effective_load": {  # the heartbeat plus this router's assignments since
+            "queued_tokens": view.queued_tokens,
+            "queued_requests": view.queued_requests,
+            "free_blocks": view.free_blocks,
+            "running_requests": view.running_requests,
+            "tokens_per_s": view.tokens_per_s,
+        },
+    }

@@ -1,0 +1,87 @@
+"""OpenAI response shapes: whole responses, stream chunks (SSE), usage and error bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdserve.v1 import generation_pb2 as pb
+from router.errors import RouterError, Status
+
+Kind = Literal["completion", "chat"]
+
+
+def usage_json(usage: pb.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_json(error: RouterError, status: Status) -> dict[str, Any]:
+    return error_body(error.message, status.openai_type, error.param, error.code)
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Responder:
+    """Builds one request's responses, in the completions or the chat shape."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, text: str, finish_reason: str, usage: pb.Usage) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        object_ = "chat.completion" if self.kind == "chat" else "text_completion"
+        return self._envelope(object_, [choice]) | {"usage": usage_json(usage)}
+
+    def chunk(self, text: str, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(self._chunk_object, [choice])
+
+    def usage_chunk(self, usage: pb.Usage) -> dict[str, Any]:
+        """The extra last chunk that stream_options.include_usage asks for."""
+        return self._envelope(self._chunk_object, []) | {"usage": usage_json(usage)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        return {
+            "id": f"{prefix}-{self.request_id}",
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }

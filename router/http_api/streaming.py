@@ -1,0 +1,79 @@
+"""Sending a run's tokens to an HTTP client: SSE events as they arrive, or one collected
+response; and cancelling the work when the client disconnects first."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from pdserve.v1 import generation_pb2 as pb
+from router.errors import RouterError, status_of
+from router.gateway import Run
+from router.http_api.openai_format import SSE_DONE, Responder, error_json, sse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Runs work, cancelling it if the client disconnects first (Starlette only watches for
+    disconnects once a streaming response has started)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def sse_events(run: Run, responder: Responder, include_usage: bool) -> AsyncIterator[bytes]:
+    """One event per message with text or a finish reason; the run is closed however the
+    stream ends (Starlette cancels it when the client disconnects)."""
+    try:
+        if responder.kind == "chat":
+            yield sse(responder.chunk("", None, first=True))
+        usage = pb.Usage()
+        async for message in run.messages():
+            if message.text or message.finish_reason:
+                yield sse(responder.chunk(message.text, message.finish_reason or None))
+            if message.HasField("usage"):
+                usage = message.usage
+        if include_usage:
+            yield sse(responder.usage_chunk(usage))
+        yield SSE_DONE
+    except RouterError as e:  # the 200 status line is sent already: report it in-band
+        log.warning("stream %s failed: %s", run.job.ticket.request_id, e)
+        yield sse(error_json(e, status_of(e)))
+    finally:
+        run.close()
+
+
+async def collect(run: Run) -> tuple[str, str, pb.Usage]:
+    """The whole completion: (text, finish reason, usage)."""
+    pieces: list[str] = []
+    finish_reason, usage = "", pb.Usage()
+    async for message in run.messages():
+        pieces.append(message.text)
+        finish_reason = message.finish_reason or finish_reason
+        if message.HasField("usage"):
+            usage = message.usage
+    return "".join(pieces), finish_reason, usage

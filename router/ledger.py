@@ -1,0 +1,70 @@
+"""The router's own assignments per worker, which correct the registry's stale load numbers.
+
+A worker's heartbeat, published at time u, already counts the assignments that were active at
+u. What the router changed since then is own(now) - own(u), so the best estimate of the load is
+    reported + own(now) - own(u),
+never less than own(now) (this router's work is there whatever the heartbeat says). Other
+routers' work is what remains of `reported`. Times are wall-clock, as heartbeats carry them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Assignment:
+    worker_id: str
+    amount: int  # prefill: prompt tokens; decode: KV blocks
+    started_at: float
+    ended_at: float | None = None
+
+    def active_at(self, t: float) -> bool:
+        return self.started_at <= t and (self.ended_at is None or self.ended_at > t)
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    amount: int = 0
+    count: int = 0
+
+
+@dataclass(slots=True)
+class Ledger:
+    # Ended assignments are kept this long: heartbeats older than that no longer matter.
+    retention_s: float = 30.0
+    clock: Callable[[], float] = time.time
+    _by_worker: dict[str, list[Assignment]] = field(default_factory=dict)
+
+    def add(self, worker_id: str, amount: int) -> Assignment:
+        assignment = Assignment(worker_id, amount, self.clock())
+        self._by_worker.setdefault(worker_id, []).append(assignment)
+        return assignment
+
+    def end(self, assignment: Assignment) -> None:
+        if assignment.ended_at is None:
+            assignment.ended_at = self.clock()
+        self._prune(assignment.worker_id)
+
+    def share(self, worker_id: str, at: float | None = None) -> Share:
+        """This router's assignments on the worker that are active now (or were at `at`)."""
+        t = self.clock() if at is None else at
+        active = [a for a in self._by_worker.get(worker_id, ()) if a.active_at(t)]
+        return Share(sum(a.amount for a in active), len(active))
+
+    def corrected(self, worker_id: str, reported: Share, reported_at: float) -> Share:
+        now, then = self.share(worker_id), self.share(worker_id, reported_at)
+        return Share(
+            max(now.amount, reported.amount + now.amount - then.amount),
+            max(now.count, reported.count + now.count - then.count),
+        )
+
+    def _prune(self, worker_id: str) -> None:
+        horizon = self.clock() - self.retention_s
+        kept = [a for a in self._by_worker[worker_id] if a.ended_at is None or a.ended_at > horizon]
+        if kept:
+            self._by_worker[worker_id] = kept
+        else:
+            del self._by_worker[worker_id]

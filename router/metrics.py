@@ -1,0 +1,38 @@
+"""The router's Prometheus metrics: latency per length bucket and per worker, the TTFT
+decomposition, queue wait and depth, rejections by reason."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+REQUESTS = Counter(
+    "pdserve_router_requests_total", "Requests by API and outcome", ["api", "outcome"]
+)
+REJECTIONS = Counter(
+    "pdserve_router_rejections_total", "Requests rejected by backpressure",
+    ["reason", "length_bucket"],
+)  # fmt: skip
+QUEUE_WAIT = Histogram(
+    "pdserve_router_queue_wait_seconds", "Time in the router's admission queue",
+    ["length_bucket"], buckets=_LATENCY_S,
+)  # fmt: skip
+QUEUE_DEPTH = Gauge("pdserve_router_queue_depth", "Requests waiting", ["length_bucket"])
+ROUTED = Counter("pdserve_router_routed_total", "Requests sent to a worker", ["role", "worker"])
+TTFT = Histogram(
+    "pdserve_router_ttft_seconds", "Arrival at the router to the first token leaving it",
+    ["length_bucket", "prefill_worker"], buckets=_LATENCY_S,
+)  # fmt: skip
+TTFT_PART = Histogram(
+    "pdserve_router_ttft_part_seconds",
+    "TTFT by part: tokenize, router_queue, prefill_queue, prefill_compute, kv_transfer, "
+    "first_token_emit", ["part", "length_bucket"], buckets=_LATENCY_S,
+)  # fmt: skip
+INTER_TOKEN = Histogram(
+    "pdserve_router_inter_token_latency_seconds", "Time between streamed tokens",
+    ["decode_worker"], buckets=_ITL_S,
+)  # fmt: skip
+E2E = Histogram(
+    "pdserve_router_e2e_latency_seconds", "Arrival to the last token",
+    ["length_bucket"], buckets=_LATENCY_S,
+)  # fmt: skip

@@ -1,0 +1,37 @@
+"""Filters: which workers can take a request at all, and which have room for it now."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.ticket import Ticket
+from router.workers import WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class ContextFits:
+    """The worker's context holds the prompt and every token asked for."""
+
+    def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
+        return ticket.num_total_tokens <= worker.info.max_model_len
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBudget:
+    """At most budget_tokens prompt tokens in a prefill worker at once; an idle worker always
+    takes one request, or a prompt over the budget could never run."""
+
+    budget_tokens: int
+
+    def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
+        if worker.queued_tokens == 0:
+            return True
+        return worker.queued_tokens + ticket.num_prompt_tokens <= self.budget_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class KVFits:
+    """The decode worker has free blocks for the request's prompt and output reserve."""
+
+    def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
+        return ticket.num_kv_blocks <= worker.free_blocks

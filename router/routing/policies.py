@@ -1,0 +1,44 @@
+"""The named routing policies (PDSERVE_ROUTING_POLICY), each a prefill and a decode policy.
+All apply the same filters (context fits, prefill token budget, decode KV room); they differ
+only in how they choose among the workers that pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.routing.filters import ContextFits, KVFits, PrefillBudget
+from router.routing.framework import Filter, Policy, Scorer
+from router.routing.pickers import LowestCost, PrefixHash, RoundRobin
+from router.routing.scorers import KVUsage, RunningRequests, Watermark
+from router.settings import AdmissionSettings, RoutingSettings
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicies:
+    prefill: Policy
+    decode: Policy
+
+
+def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> RoutingPolicies:
+    prefill_filters: tuple[Filter, ...] = (
+        ContextFits(),
+        PrefillBudget(admission.prefill_token_budget),
+    )
+    decode_filters: tuple[Filter, ...] = (ContextFits(), KVFits())
+    if routing.policy == "watermark":
+        prefill_scorers: tuple[tuple[float, Scorer], ...] = (
+            (1.0, Watermark(routing.watermark_a, routing.watermark_b)),
+        )
+        decode_scorers: tuple[tuple[float, Scorer], ...] = (
+            (1.0, KVUsage()),
+            (1.0, RunningRequests()),
+        )
+        return RoutingPolicies(
+            Policy(prefill_filters, prefill_scorers, LowestCost()),
+            Policy(decode_filters, decode_scorers, LowestCost()),
+        )
+    # The baselines ignore load: each role gets its own rotation (or hash) of its workers.
+    make_picker = RoundRobin if routing.policy == "round_robin" else PrefixHash
+    return RoutingPolicies(
+        Policy(prefill_filters, (), make_picker()), Policy(decode_filters, (), make_picker())
+    )

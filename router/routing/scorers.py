@@ -1,0 +1,43 @@
+"""Scorers: the cost of placing a request on each candidate worker (lower is better)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.ticket import Ticket
+from router.workers import WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class Watermark:
+    """T = a * queued_tokens / tokens_per_s + b * queued_requests: seconds of prefill already
+    queued on the worker at its own measured speed, plus a per-request overhead term, so a
+    worker half as fast gets half the tokens."""
+
+    a: float = 0.6
+    b: float = 0.4
+
+    def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
+        return [
+            self.a * w.queued_tokens / w.tokens_per_s + self.b * w.queued_requests for w in workers
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """Fraction of the decode worker's KV in use once this request holds its blocks."""
+
+    def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
+        return [
+            1.0 - (w.free_blocks - ticket.num_kv_blocks) / max(1, w.total_blocks) for w in workers
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequests:
+    """Running requests relative to the busiest candidate: spreads the decode batch."""
+
+    def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
+        busiest = max(w.running_requests for w in workers)
+        return [w.running_requests / busiest if busiest else 0.0 for w in workers]

@@ -1,0 +1,108 @@
+"""The router's configuration: listeners, security, admission limits and routing weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdserve.lengths import LengthBucket, LengthBuckets
+
+PolicyName = Literal["watermark", "round_robin", "hash"]
+AdmissionMode = Literal["length_aware", "fifo"]
+POLICY_NAMES: tuple[PolicyName, ...] = ("watermark", "round_robin", "hash")
+ADMISSION_MODES: tuple[AdmissionMode, ...] = ("length_aware", "fifo")
+
+
+class SettingsError(ValueError):
+    """A router setting that can never work (reported at start-up, with the value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    mode: AdmissionMode = "length_aware"
+    buckets: LengthBuckets = field(default_factory=LengthBuckets)
+    # Aging: a medium/long request is served as if it had arrived this much later than it did,
+    # so short ones overtake it, but only for this long (its wait stays bounded).
+    medium_delay_s: float = 2.0
+    long_delay_s: float = 8.0
+    # Prompt tokens one prefill worker may hold at once (queued + computing); the rest wait in
+    # the router, where the bucket order applies. An idle worker always takes one request.
+    prefill_token_budget: int = 2048
+    max_queued_requests: int = 256
+    max_queue_wait_s: float = 30.0  # estimated wait above this: reject at once (429)
+    queue_timeout_s: float = 120.0  # a queued request that waited this long gets a 429
+    default_prefill_tokens_per_s: float = 500.0  # for a worker that has not measured yet
+    kv_block_size: int = 16  # the workers' block size (not in the registry)
+    # A request holds its prompt plus this many output tokens of decode KV at admission; the
+    # decode engine grows and preempts beyond it.
+    kv_output_reserve_tokens: int = 128
+    kv_reject_below_ratio: float = 0.05  # decode pool free fraction under which new work is 429
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADMISSION_MODES:
+            raise SettingsError(f"admission mode must be one of {ADMISSION_MODES}: {self.mode!r}")
+        positive = {
+            "prefill_token_budget": self.prefill_token_budget,
+            "max_queue_wait_s": self.max_queue_wait_s,
+            "queue_timeout_s": self.queue_timeout_s,
+            "default_prefill_tokens_per_s": self.default_prefill_tokens_per_s,
+            "kv_block_size": self.kv_block_size,
+        }
+        bad = {name: value for name, value in positive.items() if value <= 0}
+        if bad or self.max_queued_requests < 0 or min(self.medium_delay_s, self.long_delay_s) < 0:
+            raise SettingsError(f"admission settings must be positive: {bad or self}")
+
+    def delays_s(self) -> dict[LengthBucket, float]:
+        """Per-bucket aging delay; FIFO is the same queue with every delay 0."""
+        if self.mode == "fifo":
+            return {"short": 0.0, "medium": 0.0, "long": 0.0}
+        return {"short": 0.0, "medium": self.medium_delay_s, "long": self.long_delay_s}
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    policy: PolicyName = "watermark"
+    # Watermark T = a * queued_tokens / tokens_per_s + b * queued_requests.
+    watermark_a: float = 0.6
+    watermark_b: float = 0.4
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise SettingsError(f"routing policy must be one of {POLICY_NAMES}: {self.policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files. Serving: cert + key, and a CA to require client certificates (mTLS).
+    Calling workers: the CA that signed them, and a client cert + key for mTLS."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise SettingsError("TLS needs both a certificate file and a key file, or neither")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None or self.ca_file is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    redis_url: str
+    model: str = "smollm2-135m"  # the name clients send, and the tokenizer the router loads
+    host: str = "127.0.0.1"
+    http_port: int = 8000  # 0: the OS picks
+    grpc_port: int = 50051
+    api_key: str | None = None
+    tls: TLSFiles = field(default_factory=TLSFiles)  # the public listeners
+    worker_tls: TLSFiles = field(default_factory=TLSFiles)  # router -> decode worker calls
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None  # None: the workers' context minus one
+    registry_refresh_s: float = 0.5
+    drain_grace_s: float = 10.0
+    num_threads: int | None = None  # tokenization threads; None: Python's default pool
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)

@@ -1,0 +1,31 @@
+"""What admission and routing know about one request: its size, length bucket and arrival."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from pdserve.lengths import LengthBucket
+
+AFFINITY_PREFIX_TOKENS = 256  # requests sharing this many leading tokens hash alike
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    num_kv_blocks: int  # decode KV held at admission: prompt + an output reserve
+    bucket: LengthBucket
+    arrival_s: float  # monotonic clock
+    affinity_key: bytes  # the prompt's leading tokens, hashed (for the hash policy)
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens
+
+
+def affinity_key(prompt_token_ids: list[int]) -> bytes:
+    prefix = array("I", prompt_token_ids[:AFFINITY_PREFIX_TOKENS]).tobytes()
+    return hashlib.blake2b(prefix, digest_size=8).digest()

@@ -1,0 +1,81 @@
+"""The worker pools as this router sees them: the registry's snapshot, refreshed in the
+background, with each worker's load corrected by the router's own assignments (ledger.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from pdserve.registry import Registry, Role, WorkerInfo
+from router.ledger import Assignment, Ledger, Share
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker's effective load at this moment: what routing and admission decide on."""
+
+    info: WorkerInfo
+    queued_tokens: int  # prefill: prompt tokens waiting or being prefilled
+    queued_requests: int  # prefill: requests waiting or being prefilled
+    tokens_per_s: float  # prefill: measured throughput, or the configured default
+    free_blocks: int  # decode: KV blocks free (cached-but-unused ones count as free)
+    total_blocks: int
+    running_requests: int  # decode: requests in the batch
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def address(self) -> str:
+        return self.info.address
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    default_tokens_per_s: float
+    _infos: dict[Role, list[WorkerInfo]] = field(
+        default_factory=lambda: {"prefill": [], "decode": []}
+    )
+    ledgers: dict[Role, Ledger] = field(
+        default_factory=lambda: {"prefill": Ledger(), "decode": Ledger()}
+    )
+
+    def update(self, role: Role, infos: list[WorkerInfo]) -> None:
+        self._infos[role] = sorted(infos, key=lambda w: w.worker_id)
+
+    async def refresh(self, registry: Registry) -> None:
+        for role in ("prefill", "decode"):
+            self.update(role, await asyncio.to_thread(registry.workers, role))
+
+    def infos(self, role: Role) -> list[WorkerInfo]:
+        return list(self._infos[role])
+
+    def views(self, role: Role) -> list[WorkerView]:
+        return [self._view(role, info) for info in self._infos[role]]
+
+    def assign(self, role: Role, worker_id: str, amount: int) -> Assignment:
+        return self.ledgers[role].add(worker_id, amount)
+
+    def release(self, role: Role, assignment: Assignment) -> None:
+        self.ledgers[role].end(assignment)
+
+    def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
+        load, ledger = info.load, self.ledgers[role]
+        tokens_per_s = load.prefill_tokens_per_s or self.default_tokens_per_s
+        if role == "prefill":
+            reported = Share(load.queued_tokens, load.waiting_requests + load.running_requests)
+            queued = ledger.corrected(info.worker_id, reported, info.updated_at)
+            return WorkerView(
+                info, queued.amount, queued.count, tokens_per_s, load.free_blocks,
+                load.total_blocks, load.running_requests,
+            )  # fmt: skip
+        reported = Share(load.total_blocks - load.free_blocks, load.running_requests)
+        used = ledger.corrected(info.worker_id, reported, info.updated_at)
+        return WorkerView(
+            info, load.queued_tokens, load.waiting_requests, tokens_per_s,
+            max(0, load.total_blocks - used.amount), load.total_blocks, used.count,
+        )  # fmt: skip

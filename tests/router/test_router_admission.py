@@ -1,0 +1,199 @@
+"""Admission, pure: bucket order, aging, FIFO, budgets and backpressure (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from router_harness import pool_of, ticket, worker
+
+from router.admission import Admission, AdmissionQueue
+from router.errors import Overloaded, Unavailable
+from router.routing import build_policies
+from router.settings import AdmissionSettings, RoutingSettings
+
+LENGTH_AWARE = AdmissionSettings().delays_s()  # short 0, medium 2 s, long 8 s
+FIFO = AdmissionSettings(mode="fifo").delays_s()
+
+
+def service_order(delays, arrivals: list[tuple[str, float, int]]) -> list[str]:
+    queue = AdmissionQueue(delays)
+    for name, arrival_s, num_tokens in arrivals:
+        queue.push(ticket(name, num_tokens, arrival_s=arrival_s))
+    return [queue.pop().request_id for _ in range(len(queue))]
+
+
+ORDERS = [
+    pytest.param(
+        LENGTH_AWARE,
+        [("L1", 0.0, 3000), ("L2", 1.0, 3000), ("S", 2.0, 100)],
+        ["S", "L1", "L2"],
+        id="short-overtakes-queued-longs",
+    ),
+    pytest.param(
+        LENGTH_AWARE,
+        [("L", 0.0, 3000), ("M", 0.5, 1000), ("S", 1.0, 100)],
+        ["S", "M", "L"],
+        id="short-then-medium-then-long",
+    ),
+    pytest.param(
+        LENGTH_AWARE,
+        [("L", 0.0, 3000), ("S", 9.0, 100)],
+        ["L", "S"],
+        id="a-long-that-waited-its-delay-goes-first",
+    ),
+    pytest.param(
+        FIFO,
+        [("L1", 0.0, 3000), ("L2", 1.0, 3000), ("S", 2.0, 100)],
+        ["L1", "L2", "S"],
+        id="fifo-is-arrival-order",
+    ),
+]
+
+
+@pytest.mark.parametrize("delays, arrivals, expected", ORDERS)
+def test_service_order(delays, arrivals, expected):
+    assert service_order(delays, arrivals) == expected
+
+
+AGING = [
+    # (long delay, shorts served before the long one) with a short arriving every second
+    pytest.param(0.0, 0, id="no-delay"),
+    pytest.param(4.0, 3, id="4s"),
+    pytest.param(8.0, 7, id="8s"),
+]
+
+
+@pytest.mark.parametrize("long_delay_s, num_overtaking", AGING)
+def test_aging_bounds_how_many_later_shorts_overtake_a_long_request(long_delay_s, num_overtaking):
+    delays = AdmissionSettings(long_delay_s=long_delay_s).delays_s()
+    shorts = [(f"S{t}", float(t), 100) for t in range(1, 31)]
+    order = service_order(delays, [("L", 0.0, 3000), *shorts])
+    # Its wait is bounded: only requests arriving within its delay overtake it.
+    assert order.index("L") == num_overtaking
+    assert order[: num_overtaking + 1] == [*(f"S{t}" for t in range(1, num_overtaking + 1)), "L"]
+
+
+def test_tokens_ahead_counts_only_requests_served_earlier():
+    queue = AdmissionQueue(LENGTH_AWARE)
+    long_, short = ticket("L", 3000, arrival_s=0.0), ticket("S", 100, arrival_s=1.0)
+    queue.push(long_)
+    queue.push(short)
+    assert queue.tokens_ahead(short) == 0
+    assert queue.tokens_ahead(long_) == 100
+
+
+# ---- the controller -------------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission(*infos, clock=None, **settings) -> Admission:
+    admission_settings = AdmissionSettings(**settings)
+    policies = build_policies(RoutingSettings("watermark"), admission_settings)
+    return Admission(admission_settings, pool_of(*infos), policies, clock or Clock())
+
+
+ONE_OF_EACH = (worker("prefill", "p", tokens_per_s=1000), worker("decode", "d"))
+
+
+def test_short_request_overtakes_queued_long_ones_when_budget_frees():
+    async def scenario() -> list[str]:
+        adm = admission(*ONE_OF_EACH, prefill_token_budget=1)
+        first = await adm.admit(ticket("L0", 3000, arrival_s=0.0))  # the worker was idle
+        waiting = [
+            asyncio.ensure_future(adm.admit(ticket(name, n, arrival_s=t)))
+            for name, n, t in (("L1", 3000, 1.0), ("L2", 3000, 2.0), ("S", 100, 3.0))
+        ]
+        await asyncio.sleep(0)
+        assert [adm.queue.depth(b) for b in ("short", "long")] == [1, 2]
+        served, lease = [], first
+        for _ in waiting:
+            lease.end_prefill()  # the worker finished a prefill: the next one goes
+            await asyncio.sleep(0)
+            lease = next(f.result() for f in waiting if f.done() and
+                         f.result().ticket.request_id not in served)  # fmt: skip
+            served.append(lease.ticket.request_id)
+        return served
+
+    assert asyncio.run(scenario()) == ["S", "L1", "L2"]
+
+
+def test_queue_full_rejects_at_once_with_retry_after():
+    async def scenario() -> None:
+        adm = admission(*ONE_OF_EACH, prefill_token_budget=1, max_queued_requests=1)
+        await adm.admit(ticket("busy", 1000))
+        queued = asyncio.ensure_future(adm.admit(ticket("queued", 500)))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as rejected:
+            await adm.admit(ticket("excess", 500))
+        assert rejected.value.reason == "queue_full"
+        # 1000 in the worker + 500 queued ahead + its own 500, less the 1-token budget.
+        assert rejected.value.retry_after_s == pytest.approx(1999 / 1000)
+        assert rejected.value.retry_after_header == "2"
+        assert len(adm.queue) == 1 and not queued.done()
+        queued.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_estimated_wait_over_the_limit_rejects_at_once():
+    async def scenario() -> None:
+        adm = admission(*ONE_OF_EACH, prefill_token_budget=1000, max_queue_wait_s=2.0)
+        await adm.admit(ticket("busy", 2500))  # 2500 queued tokens at 1000 tokens/s
+        with pytest.raises(Overloaded) as rejected:
+            await adm.admit(ticket("excess", 600))
+        assert rejected.value.reason == "queue_wait"
+        assert adm.estimated_wait_s(ticket("probe", 600)) == pytest.approx(2.1)
+        assert len(adm.queue) == 0
+        small = asyncio.ensure_future(adm.admit(ticket("fits-the-limit", 400)))
+        await asyncio.sleep(0)
+        assert len(adm.queue) == 1  # 1.9 s: it waits instead
+        small.cancel()
+        await asyncio.sleep(0)
+        assert len(adm.queue) == 0  # a cancelled request leaves the queue
+
+    asyncio.run(scenario())
+
+
+def test_queue_timeout_and_kv_headroom_and_no_workers():
+    async def scenario() -> None:
+        adm = admission(*ONE_OF_EACH, prefill_token_budget=1, queue_timeout_s=0.05)
+        await adm.admit(ticket("busy", 100))
+        with pytest.raises(Overloaded) as timed_out:
+            await adm.admit(ticket("late", 100))
+        assert timed_out.value.reason == "queue_timeout" and len(adm.queue) == 0
+
+        full = admission(worker("prefill", "p"), worker("decode", "d", free_blocks=40))
+        with pytest.raises(Overloaded) as no_kv:
+            await full.admit(ticket("r", 100))
+        assert no_kv.value.reason == "kv_headroom"
+
+        with pytest.raises(Unavailable):
+            await admission(worker("prefill", "p")).admit(ticket("r", 100))
+
+    asyncio.run(scenario())
+
+
+def test_lease_records_queue_wait_and_hands_back_both_workers():
+    async def scenario() -> None:
+        clock = Clock()
+        adm = admission(*ONE_OF_EACH, clock=clock)
+        clock.now = 1.5
+        lease = await adm.admit(ticket("r", 320, arrival_s=1.0, max_tokens=16))
+        assert (lease.prefill.worker_id, lease.decode.worker_id) == ("p", "d")
+        assert lease.queue_wait_s == pytest.approx(0.5)
+        pool = adm.pool
+        assert pool.views("prefill")[0].queued_tokens == 320
+        assert pool.views("decode")[0].free_blocks == 1024 - 21
+        lease.end_prefill()
+        assert pool.views("prefill")[0].queued_tokens == 0
+        lease.end()
+        lease.end()  # idempotent
+        assert pool.views("decode")[0].free_blocks == 1024
+
+    asyncio.run(scenario())
