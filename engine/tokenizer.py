@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -153,7 +152,3 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
-
-
-def token_ids_array(token_ids: list[int]) -> np.ndarray:
-    return np.asarray(token_ids, dtype=np.int64)

@@ -91,6 +91,9 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        """Stops publishing and removes the entry (idempotent)."""
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         self._thread.join(timeout=5)
         info = self.info()

@@ -25,15 +25,19 @@ from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 
-KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "Free KV cache blocks", ["role"])
-KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", ["role"])
-KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["role"])
-QUEUED_TOKENS = Gauge(
-    "pdserve_prefill_queued_tokens", "Prompt tokens waiting or being prefilled", ["role"]
+# One role per process: Prometheus' pod/job labels tell the roles apart. The HPAs scale the
+# prefill pool on queued prompt tokens and the decode pool on KV usage or running requests.
+KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "Free KV cache blocks")
+KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use")
+KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+PREFILL_QUEUED_TOKENS = Gauge(
+    "pdserve_prefill_queued_tokens", "Prompt tokens waiting for or in prefill (prefill workers)"
 )
-RUNNING_REQUESTS = Gauge("pdserve_running_requests", "Requests in the running batch", ["role"])
+DECODE_RUNNING = Gauge(
+    "pdserve_decode_running_requests", "Requests in the decode batch (decode workers)"
+)
 STEP_SECONDS = Histogram(
-    "pdserve_engine_step_seconds", "Duration of one engine step", ["role"],
+    "pdserve_engine_step_seconds", "Duration of one engine step",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )  # fmt: skip
 
@@ -79,7 +83,6 @@ class WorkerRuntime:
         self.port = 0
         self.metrics_port = 0
         self._draining = threading.Event()
-        self._stopped = threading.Event()
         self._in_flight = 0
         self._in_flight_lock = threading.Condition()
         self._heartbeat: Heartbeat | None = None
@@ -135,6 +138,7 @@ class WorkerRuntime:
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()  # plain reads of counters: safe off the engine thread
+        self._refresh_gauges()
         host = self.settings.advertise_host or self.settings.host
         return WorkerInfo(
             role=self.settings.role,
@@ -155,13 +159,19 @@ class WorkerRuntime:
         )
 
     def _observe_step(self, seconds: float, batch_size: int) -> None:
-        role, pool = self.settings.role, self.engine.pool
-        STEP_SECONDS.labels(role).observe(seconds)
-        KV_BLOCKS_FREE.labels(role).set(pool.num_free_blocks)
-        KV_BLOCKS_USED.labels(role).set(pool.num_used_blocks)
-        KV_CACHE_USAGE.labels(role).set(pool.usage)
-        QUEUED_TOKENS.labels(role).set(self.engine.scheduler.num_queued_tokens)
-        RUNNING_REQUESTS.labels(role).set(len(self.engine.scheduler.running))
+        STEP_SECONDS.observe(seconds)
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        """After every step, and on every heartbeat (aborts free blocks between steps)."""
+        pool, scheduler = self.engine.pool, self.engine.scheduler
+        KV_BLOCKS_FREE.set(pool.num_free_blocks)
+        KV_BLOCKS_USED.set(pool.num_used_blocks)
+        KV_CACHE_USAGE.set(pool.usage)
+        if self.settings.role == "prefill":
+            PREFILL_QUEUED_TOKENS.set(scheduler.num_queued_tokens)
+        else:
+            DECODE_RUNNING.set(len(scheduler.running))
 
     # ---- request admission and draining -------------------------------------------------------
     @contextmanager
@@ -196,7 +206,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._draining.set()
-        if self._heartbeat is not None and not self._stopped.is_set():
+        if self._heartbeat is not None:
             try:
                 self._heartbeat.stop()
             except Exception as e:  # Redis gone at shutdown: the TTL cleans up
@@ -204,7 +214,6 @@ class WorkerRuntime:
         self.server.stop(grace=1.0).wait()
         self.loop.stop()
         self.kv_agent.close()
-        self._stopped.set()
 
     def serve_forever(self) -> None:
         """Blocks until SIGTERM/SIGINT, then drains."""

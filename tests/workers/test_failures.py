@@ -37,7 +37,7 @@ def kill_when_prefilling(worker) -> threading.Thread:
     """SIGKILLs the worker as soon as its engine holds queued prompt tokens."""
 
     def run():
-        wait_until(lambda: worker.metric("pdserve_prefill_queued_tokens", role="prefill") > 0)
+        wait_until(lambda: worker.metric("pdserve_prefill_queued_tokens") > 0)
         time.sleep(0.3)  # a chunk or so in: KV has started to move
         worker.kill()
 
