@@ -16,6 +16,7 @@ from decode_service import metrics
 from engine import InvalidRequestError, SamplingParams
 from engine.request import Request, StepOutput
 from pdserve import wire
+from pdserve.tls import open_channel
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
@@ -166,7 +167,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillStub:
         with self._channels_lock:
             if address not in self._channels:
-                channel = grpc.insecure_channel(address)
+                channel = open_channel(address, self.runtime.settings.tls)
                 self._channels[address] = worker_pb2_grpc.PrefillStub(channel)
             return self._channels[address]
 

@@ -22,6 +22,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
 from pdserve.lengths import LengthBuckets
 from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
+from pdserve.tls import TLSFiles, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class WorkerSettings:
     warmup: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     length_buckets: LengthBuckets = field(default_factory=LengthBuckets)
+    # Serves gRPC with this cert (requiring client certs when a CA is set) and presents it when
+    # calling peer workers. KV bytes themselves travel over NIXL/UCX or TCP, not over TLS.
+    tls: TLSFiles = field(default_factory=TLSFiles)
 
 
 class DrainingError(RuntimeError):
@@ -99,7 +103,13 @@ class WorkerRuntime:
         reflection.enable_server_reflection(
             (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        bind = f"{self.settings.host}:{self.settings.port}"
+        tls = self.settings.tls
+        self.port = (
+            self.server.add_secure_port(bind, server_credentials(tls))
+            if tls.enabled
+            else self.server.add_insecure_port(bind)
+        )
         if self.port == 0:
             raise OSError(f"cannot bind gRPC on {self.settings.host}:{self.settings.port}")
         metrics_server, _ = start_http_server(self.settings.metrics_port, self.settings.host)
