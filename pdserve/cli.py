@@ -34,12 +34,18 @@ NumBlocks = Annotated[int, typer.Option(envvar="PDSERVE_NUM_BLOCKS", help="KV ca
 Grace = Annotated[float, typer.Option(envvar="PDSERVE_DRAIN_GRACE_S", help="Drain on SIGTERM.")]
 TTL = Annotated[float, typer.Option(envvar="PDSERVE_REGISTRY_TTL_S", help="Registry key TTL.")]
 LogLevel = Annotated[str, typer.Option(envvar="PDSERVE_LOG_LEVEL")]
+TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
+TlsKey = Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE", help="PEM private key.")]
+TlsCa = Annotated[
+    str, typer.Option(envvar="PDSERVE_TLS_CA_FILE", help="PEM CA: peers must present certs.")
+]
 
 
 def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, advertise_host,
                      metrics_port, worker_id, kv_backend, chunk_size, num_blocks, drain_grace_s,
-                     registry_ttl_s, warmup):  # fmt: skip
+                     registry_ttl_s, warmup, tls_cert_file, tls_key_file, tls_ca_file):  # fmt: skip
     from engine import EngineConfig
+    from pdserve.tls import TLSFiles
     from pdserve.worker_runtime import WorkerSettings
 
     return WorkerSettings(
@@ -54,6 +60,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
         registry_ttl_s=registry_ttl_s,
         drain_grace_s=drain_grace_s,
         warmup=warmup,
+        tls=TLSFiles(tls_cert_file or None, tls_key_file or None, tls_ca_file or None),
         engine=EngineConfig(
             model=model, dtype=dtype, chunk_size=chunk_size, num_blocks=num_blocks,
             num_threads=threads or None,
@@ -78,6 +85,9 @@ def prefill(
     drain_grace_s: Grace = 30.0,
     registry_ttl_s: TTL = 6.0,
     warmup: Annotated[bool, typer.Option(help="Warm each length bucket first.")] = True,
+    tls_cert_file: TlsCert = "",
+    tls_key_file: TlsKey = "",
+    tls_ca_file: TlsCa = "",
     log_level: LogLevel = "info",
 ) -> None:
     """Run a prefill worker."""
@@ -90,6 +100,7 @@ def prefill(
         advertise_host=advertise_host, metrics_port=metrics_port, worker_id=worker_id,
         kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
         drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
+        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
     )  # fmt: skip
     start(settings).serve_forever()
 
@@ -111,6 +122,9 @@ def decode(
     drain_grace_s: Grace = 30.0,
     registry_ttl_s: TTL = 6.0,
     warmup: Annotated[bool, typer.Option(help="Warm each length bucket first.")] = True,
+    tls_cert_file: TlsCert = "",
+    tls_key_file: TlsKey = "",
+    tls_ca_file: TlsCa = "",
     prefill_timeout_s: Annotated[float, typer.Option(envvar="PDSERVE_PREFILL_TIMEOUT_S")] = 60.0,
     local_prefill_fallback: Annotated[
         bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
@@ -131,6 +145,7 @@ def decode(
         advertise_host=advertise_host, metrics_port=metrics_port, worker_id=worker_id,
         kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
         drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
+        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
     )  # fmt: skip
     start(settings, decode_settings).serve_forever()
 
@@ -152,6 +167,131 @@ def generate(
     )
     out = llm.generate([text], SamplingParams(max_tokens=max_tokens, temperature=temperature))[0]
     typer.echo(out.text)
+
+
+# The router's defaults live in its settings classes; the options below only expose them.
+def _router_defaults():
+    from router.settings import AdmissionSettings, RouterSettings
+
+    return RouterSettings(redis_url=""), AdmissionSettings()
+
+
+_R, _A = _router_defaults()
+Policy = Annotated[
+    str, typer.Option(envvar="PDSERVE_ROUTING_POLICY", help="watermark | round_robin | hash.")
+]
+Admission = Annotated[str, typer.Option(envvar="PDSERVE_ADMISSION", help="length_aware | fifo.")]
+PemFile = Annotated[str, typer.Option(help="PEM file; empty = none.")]
+
+
+@app.command()
+def router(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    model: Model = _R.model,
+    host: Host = _R.host,
+    http_port: Annotated[int, typer.Option(envvar="PDSERVE_HTTP_PORT", help="0 = any.")] = 8000,
+    grpc_port: Annotated[int, typer.Option(envvar="PDSERVE_GRPC_PORT", help="0 = any.")] = 50051,
+    api_key: Annotated[
+        str, typer.Option(envvar="PDSERVE_API_KEY", help="Bearer key clients must send.")
+    ] = "",
+    routing_policy: Policy = _R.routing.policy,
+    admission: Admission = _A.mode,
+    prefill_token_budget: Annotated[
+        int, typer.Option(envvar="PDSERVE_PREFILL_TOKEN_BUDGET", help="Per prefill worker.")
+    ] = _A.prefill_token_budget,
+    max_queued_requests: Annotated[
+        int, typer.Option(envvar="PDSERVE_MAX_QUEUED_REQUESTS")
+    ] = _A.max_queued_requests,
+    max_queue_wait_s: Annotated[
+        float, typer.Option(envvar="PDSERVE_MAX_QUEUE_WAIT_S", help="Estimated; 429 above.")
+    ] = _A.max_queue_wait_s,
+    queue_timeout_s: Annotated[
+        float, typer.Option(envvar="PDSERVE_QUEUE_TIMEOUT_S")
+    ] = _A.queue_timeout_s,
+    short_below: Annotated[
+        int, typer.Option(envvar="PDSERVE_SHORT_BELOW", help="Short: fewer prompt tokens.")
+    ] = _A.buckets.short_below,
+    long_above: Annotated[
+        int, typer.Option(envvar="PDSERVE_LONG_ABOVE", help="Long: more prompt tokens.")
+    ] = _A.buckets.long_above,
+    medium_delay_s: Annotated[float, typer.Option(help="Aging delay.")] = _A.medium_delay_s,
+    long_delay_s: Annotated[float, typer.Option(help="Aging delay.")] = _A.long_delay_s,
+    watermark_a: float = _R.routing.watermark_a,
+    watermark_b: float = _R.routing.watermark_b,
+    default_prefill_tokens_per_s: Annotated[
+        float, typer.Option(help="For workers that have not measured yet.")
+    ] = _A.default_prefill_tokens_per_s,
+    max_prompt_tokens: Annotated[int, typer.Option(help="0 = the context minus one.")] = 0,
+    max_body_bytes: int = _R.max_body_bytes,
+    tls_cert_file: Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE")] = "",
+    tls_key_file: Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE")] = "",
+    tls_ca_file: Annotated[
+        str, typer.Option(envvar="PDSERVE_TLS_CA_FILE", help="Require client certs (mTLS).")
+    ] = "",
+    worker_ca_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_CA_FILE")] = "",
+    worker_cert_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_CERT_FILE")] = "",
+    worker_key_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_KEY_FILE")] = "",
+    threads: Threads = 0,
+    drain_grace_s: Grace = _R.drain_grace_s,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run the router: OpenAI-compatible HTTP and public gRPC in front of the worker pools."""
+    import asyncio
+
+    from pdserve.lengths import LengthBuckets
+    from router.server import serve
+    from router.settings import AdmissionSettings, RouterSettings, RoutingSettings, TLSFiles
+
+    _setup_logging(log_level)
+    settings = RouterSettings(
+        redis_url=redis_url, model=model, host=host, http_port=http_port, grpc_port=grpc_port,
+        api_key=api_key or None, max_body_bytes=max_body_bytes,
+        max_prompt_tokens=max_prompt_tokens or None, drain_grace_s=drain_grace_s,
+        num_threads=threads or None,
+        tls=TLSFiles(tls_cert_file or None, tls_key_file or None, tls_ca_file or None),
+        worker_tls=TLSFiles(worker_cert_file or None, worker_key_file or None,
+                            worker_ca_file or None),
+        admission=AdmissionSettings(
+            mode=admission, buckets=LengthBuckets(short_below, long_above),
+            medium_delay_s=medium_delay_s, long_delay_s=long_delay_s,
+            prefill_token_budget=prefill_token_budget, max_queued_requests=max_queued_requests,
+            max_queue_wait_s=max_queue_wait_s, queue_timeout_s=queue_timeout_s,
+            default_prefill_tokens_per_s=default_prefill_tokens_per_s,
+        ),
+        routing=RoutingSettings(routing_policy, watermark_a, watermark_b),
+    )  # fmt: skip
+    asyncio.run(serve(settings))
+
+
+@app.command()
+def up(
+    num_prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,
+    num_decode: Annotated[int, typer.Option("--decode", help="Decode workers.")] = 1,
+    model: Model = "smollm2-135m",
+    dtype: DType = "float32",
+    kv_backend: KVBackend = "auto",
+    host: Host = "127.0.0.1",
+    http_port: Annotated[int, typer.Option(help="Router HTTP; 0 = any.")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="Router gRPC; 0 = any.")] = 50051,
+    cores: Annotated[int, typer.Option(help="Cores to divide among workers; 0 = all.")] = 0,
+    warmup: Annotated[bool, typer.Option(help="Workers warm each length bucket.")] = True,
+    routing_policy: Policy = _R.routing.policy,
+    admission: Admission = _A.mode,
+    log_dir: Annotated[str, typer.Option(help="Child logs; default: a new temp dir.")] = "",
+) -> None:
+    """Run a whole local cluster: Redis, the workers and the router (PDSERVE_API_KEY, when
+    set, protects the router). Ctrl-C stops it all."""
+    from pathlib import Path
+
+    from pdserve.launcher import ClusterSpec, LocalCluster, run_until_signalled
+
+    spec = ClusterSpec(
+        num_prefill=num_prefill, num_decode=num_decode, model=model, dtype=dtype,
+        kv_backend=kv_backend, host=host, http_port=http_port, grpc_port=grpc_port,
+        num_cores=cores, warmup=warmup, log_dir=Path(log_dir) if log_dir else None,
+        router_args=("--routing-policy", routing_policy, "--admission", admission),
+    )  # fmt: skip
+    raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from router.http_api.body_limit import BodyLimit
 from router.http_api.openai_format import Kind, Responder, error_body, error_json
 from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
 from router.http_api.streaming import ClientGone, collect, sse_events, until_disconnect
+from router.ledger import Share
 from router.workers import WorkerView
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,13 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def workers() -> dict[str, Any]:
         admission = gateway.admission
         queue = {b: admission.queue.depth(b) for b in admission.queue.delays_s}
-        views = [v for role in ("prefill", "decode") for v in gateway.pool.views(role)]
-        return {"workers": [_worker_json(v) for v in views], "queue": queue}
+        pool = gateway.pool
+        workers = [
+            _worker_json(view, pool.ledgers[role].share(view.worker_id))
+            for role in ("prefill", "decode")
+            for view in pool.views(role)
+        ]
+        return {"workers": workers, "queue": queue}
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
@@ -142,7 +148,7 @@ async def _respond(
     return JSONResponse(responder.response(text, finish_reason, usage))
 
 
-def _worker_json(view: WorkerView) -> dict[str, Any]:
+def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:
     info = view.info
     return {
         "role": info.role,
@@ -153,6 +159,8 @@ def _worker_json(view: WorkerView) -> dict[str, Any]:
         "max_model_len": info.max_model_len,
         "heartbeat_age_s": round(max(0.0, time.time() - info.updated_at), 3),
         "reported_load": asdict(info.load),
+        # In flight from this router: prompt tokens (prefill) or KV blocks (decode), requests.
+        "assigned_here": {"amount": assigned.amount, "requests": assigned.count},
         "effective_load": {  # the heartbeat plus this router's assignments since
             "queued_tokens": view.queued_tokens,
             "queued_requests": view.queued_requests,
