@@ -181,7 +181,6 @@ Policy = Annotated[
     str, typer.Option(envvar="PDSERVE_ROUTING_POLICY", help="watermark | round_robin | hash.")
 ]
 Admission = Annotated[str, typer.Option(envvar="PDSERVE_ADMISSION", help="length_aware | fifo.")]
-PemFile = Annotated[str, typer.Option(help="PEM file; empty = none.")]
 
 
 @app.command()
@@ -223,11 +222,9 @@ def router(
     ] = _A.default_prefill_tokens_per_s,
     max_prompt_tokens: Annotated[int, typer.Option(help="0 = the context minus one.")] = 0,
     max_body_bytes: int = _R.max_body_bytes,
-    tls_cert_file: Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE")] = "",
-    tls_key_file: Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE")] = "",
-    tls_ca_file: Annotated[
-        str, typer.Option(envvar="PDSERVE_TLS_CA_FILE", help="Require client certs (mTLS).")
-    ] = "",
+    tls_cert_file: TlsCert = "",
+    tls_key_file: TlsKey = "",
+    tls_ca_file: TlsCa = "",
     worker_ca_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_CA_FILE")] = "",
     worker_cert_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_CERT_FILE")] = "",
     worker_key_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_KEY_FILE")] = "",
@@ -239,8 +236,9 @@ def router(
     import asyncio
 
     from pdserve.lengths import LengthBuckets
+    from pdserve.tls import TLSFiles
     from router.server import serve
-    from router.settings import AdmissionSettings, RouterSettings, RoutingSettings, TLSFiles
+    from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
 
     _setup_logging(log_level)
     settings = RouterSettings(

@@ -42,6 +42,7 @@ class ClusterSpec:
     warmup: bool = True
     with_router: bool = True
     router_args: tuple[str, ...] = ()  # more `pdserve router` flags (policy, admission, key)
+    worker_args: tuple[str, ...] = ()  # more `pdserve prefill|decode` flags (TLS, ...)
     log_dir: Path | None = None
     startup_timeout_s: float = 300.0
 
@@ -114,7 +115,7 @@ class LocalCluster:
             "--threads", str(spec.threads_per_worker()), "--host", spec.host, "--port", "0",
             "--metrics-port", "0", "--kv-backend", spec.kv_backend, "--worker-id", worker_id,
             "--drain-grace-s", str(WORKER_DRAIN_GRACE_S),
-            "--warmup" if spec.warmup else "--no-warmup",
+            "--warmup" if spec.warmup else "--no-warmup", *spec.worker_args,
         ]  # fmt: skip
 
     def _router_args(self) -> list[str]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.lengths import LengthBucket, LengthBuckets
+from pdserve.tls import TLSFiles
 
 PolicyName = Literal["watermark", "round_robin", "hash"]
 AdmissionMode = Literal["length_aware", "fifo"]
@@ -69,24 +70,6 @@ class RoutingSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise SettingsError(f"routing policy must be one of {POLICY_NAMES}: {self.policy!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class TLSFiles:
-    """PEM files. Serving: cert + key, and a CA to require client certificates (mTLS).
-    Calling workers: the CA that signed them, and a client cert + key for mTLS."""
-
-    cert_file: str | None = None
-    key_file: str | None = None
-    ca_file: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise SettingsError("TLS needs both a certificate file and a key file, or neither")
-
-    @property
-    def enabled(self) -> bool:
-        return self.cert_file is not None or self.ca_file is not None
 
 
 @dataclass(frozen=True, slots=True)

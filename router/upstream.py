@@ -3,27 +3,14 @@ Decode.Generate call, and the mapping of a worker's error status to a router err
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 
+from pdserve.tls import TLSFiles, channel_credentials
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from router.errors import InvalidRequest, Overloaded, RouterError, Unavailable, UpstreamError
-from router.settings import TLSFiles
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
-
-
-def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
-    def read(path: str | None) -> bytes | None:
-        return Path(path).read_bytes() if path else None
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(tls.ca_file),
-        private_key=read(tls.key_file),
-        certificate_chain=read(tls.cert_file),
-    )
 
 
 class DecodeClient:

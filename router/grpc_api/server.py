@@ -3,26 +3,17 @@ when a CA file is given)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.tls import server_credentials
 from pdserve.v1 import generation_pb2_grpc
 from router.gateway import Gateway
 from router.grpc_api.service import SERVICE_NAME, GenerationService
-from router.settings import TLSFiles
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
-    assert tls.cert_file is not None and tls.key_file is not None, "TLS needs cert and key"
-    ca = Path(tls.ca_file).read_bytes() if tls.ca_file else None
-    key_pair = (Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())
-    return grpc.ssl_server_credentials([key_pair], ca, require_client_auth=ca is not None)
 
 
 class PublicGrpcServer:
