@@ -56,6 +56,7 @@ class ClusterSpec:
 @dataclass(slots=True)
 class Child:
     name: str
+    role: str  # the `pdserve` command it runs: router, prefill or decode
     process: subprocess.Popen[bytes]
     log_path: Path
 
@@ -64,13 +65,35 @@ class Child:
         return "\n".join(lines[-num_lines:])
 
 
+@dataclass(frozen=True, slots=True)
+class RouterEndpoint:
+    name: str
+    host: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
 @dataclass(slots=True)
 class LocalCluster:
     spec: ClusterSpec
     redis: RedisServer | None = None
     children: list[Child] = field(default_factory=list)
-    http_port: int = 0
-    grpc_port: int = 0
+    router: RouterEndpoint | None = None  # the one `up` starts (with_router)
     log_dir: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,10 +104,6 @@ class LocalCluster:
     def redis_url(self) -> str:
         assert self.redis is not None, "start() first"
         return self.redis.url
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.spec.host}:{self.http_port}"
 
     def start(self) -> LocalCluster:
         """Starts everything and waits until all of it serves; on any failure stops what
@@ -98,15 +117,26 @@ class LocalCluster:
             for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
                 for i in range(count):
                     self._spawn(f"{role}-{i}", [role, *self._worker_args(f"{role}-{i}")])
-            if spec.with_router:
-                self.http_port = spec.http_port or free_port(spec.host)
-                self.grpc_port = spec.grpc_port or free_port(spec.host)
-                self._spawn("router", ["router", *self._router_args()])
-            self._wait_ready()
+            if spec.with_router:  # starts while the workers load their models
+                self.router = self._spawn_router("router", spec.router_args,
+                                                 spec.http_port, spec.grpc_port)  # fmt: skip
+            self._wait_ready([self.router] if self.router else [])
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_router(self, name: str, args: tuple[str, ...] = ()) -> RouterEndpoint:
+        """Another router on the same workers (e.g. a benchmark's other admission mode)."""
+        router = self._spawn_router(name, args, 0, 0)
+        self._wait_ready([router])
+        return router
+
+    def remove_router(self, router: RouterEndpoint) -> None:
+        (child,) = [c for c in self.children if c.name == router.name]
+        child.process.send_signal(signal.SIGTERM)
+        _wait_or_kill(child.process, WORKER_DRAIN_GRACE_S + 15)
+        self.children.remove(child)
 
     def _worker_args(self, worker_id: str) -> list[str]:
         spec = self.spec
@@ -118,13 +148,17 @@ class LocalCluster:
             "--warmup" if spec.warmup else "--no-warmup", *spec.worker_args,
         ]  # fmt: skip
 
-    def _router_args(self) -> list[str]:
-        spec = self.spec
-        return [
-            "--redis-url", self.redis_url, "--model", spec.model, "--host", spec.host,
-            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-            *spec.router_args,
-        ]  # fmt: skip
+    def _spawn_router(
+        self, name: str, args: tuple[str, ...], http_port: int, grpc_port: int
+    ) -> RouterEndpoint:
+        host = self.spec.host
+        router = RouterEndpoint(name, host, http_port or free_port(host),
+                                grpc_port or free_port(host))  # fmt: skip
+        self._spawn(name, [
+            "router", "--redis-url", self.redis_url, "--model", self.spec.model, "--host", host,
+            "--http-port", str(router.http_port), "--grpc-port", str(router.grpc_port), *args,
+        ])  # fmt: skip
+        return router
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"
@@ -137,16 +171,16 @@ class LocalCluster:
                 # order; the children still die with the launcher if it is killed.
                 start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
-        self.children.append(Child(name, process, log_path))
+        self.children.append(Child(name, args[0], process, log_path))
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, routers: list[RouterEndpoint]) -> None:
         registry = Registry(self.redis_url)
         wanted: dict[Role, int] = {"prefill": self.spec.num_prefill, "decode": self.spec.num_decode}
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while True:
             self.check_alive()
             registered = all(len(registry.workers(r)) >= n for r, n in wanted.items())
-            if registered and (not self.spec.with_router or self._router_healthy()):
+            if registered and all(router.is_healthy() for router in routers):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -154,13 +188,6 @@ class LocalCluster:
                     f"logs in {self.log_dir}"
                 )
             time.sleep(0.2)
-
-    def _router_healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/health", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -175,7 +202,7 @@ class LocalCluster:
         """The router first (no new work), then decode workers (they drain, which may need
         prefill), then prefill workers, then Redis."""
         for role in ("router", "decode", "prefill"):
-            group = [c for c in self.children if c.name.startswith(role)]
+            group = [c for c in self.children if c.role == role]
             for child in group:
                 if child.process.poll() is None:
                     child.process.send_signal(signal.SIGTERM)
@@ -187,7 +214,8 @@ class LocalCluster:
             self.redis = None
 
     def banner(self) -> str:
-        spec, url = self.spec, self.http_url
+        assert self.router is not None, "the banner describes a cluster with its router"
+        spec, url = self.spec, self.router.http_url
         body = json.dumps({
             "model": spec.model, "max_tokens": 32,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -196,7 +224,7 @@ class LocalCluster:
             f"pdserve is up: {spec.num_prefill} prefill + {spec.num_decode} decode worker(s), "
             f"{spec.threads_per_worker()} thread(s) each, model {spec.model} ({spec.dtype})",
             f"  OpenAI API  {url}/v1",
-            f"  gRPC        {spec.host}:{self.grpc_port}  (pdserve.v1.Generation)",
+            f"  gRPC        {self.router.grpc_address}  (pdserve.v1.Generation)",
             f"  metrics     {url}/metrics",
             f"  workers     {url}/admin/workers",
             f"  Redis       {self.redis_url}",

@@ -33,8 +33,9 @@ class Share:
 
 @dataclass(slots=True)
 class Ledger:
-    # Ended assignments are kept this long: heartbeats older than that no longer matter.
-    retention_s: float = 30.0
+    # An ended assignment matters only to heartbeats sent before it ended; it is dropped once a
+    # newer heartbeat is in, or after this long for a worker that stopped sending them.
+    retention_s: float = 60.0
     clock: Callable[[], float] = time.time
     _by_worker: dict[str, list[Assignment]] = field(default_factory=dict)
 
@@ -46,7 +47,7 @@ class Ledger:
     def end(self, assignment: Assignment) -> None:
         if assignment.ended_at is None:
             assignment.ended_at = self.clock()
-        self._prune(assignment.worker_id)
+        self._prune(assignment.worker_id, self.clock() - self.retention_s)
 
     def share(self, worker_id: str, at: float | None = None) -> Share:
         """This router's assignments on the worker that are active now (or were at `at`)."""
@@ -55,16 +56,17 @@ class Ledger:
         return Share(sum(a.amount for a in active), len(active))
 
     def corrected(self, worker_id: str, reported: Share, reported_at: float) -> Share:
+        self._prune(worker_id, reported_at)
         now, then = self.share(worker_id), self.share(worker_id, reported_at)
         return Share(
             max(now.amount, reported.amount + now.amount - then.amount),
             max(now.count, reported.count + now.count - then.count),
         )
 
-    def _prune(self, worker_id: str) -> None:
-        horizon = self.clock() - self.retention_s
-        kept = [a for a in self._by_worker[worker_id] if a.ended_at is None or a.ended_at > horizon]
+    def _prune(self, worker_id: str, ended_before: float) -> None:
+        assignments = self._by_worker.get(worker_id, [])
+        kept = [a for a in assignments if a.ended_at is None or a.ended_at > ended_before]
         if kept:
             self._by_worker[worker_id] = kept
         else:
-            del self._by_worker[worker_id]
+            self._by_worker.pop(worker_id, None)

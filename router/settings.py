@@ -24,8 +24,8 @@ class AdmissionSettings:
     buckets: LengthBuckets = field(default_factory=LengthBuckets)
     # Aging: a medium/long request is served as if it had arrived this much later than it did,
     # so short ones overtake it, but only for this long (its wait stays bounded).
-    medium_delay_s: float = 2.0
-    long_delay_s: float = 8.0
+    medium_delay_s: float = 5.0
+    long_delay_s: float = 20.0
     # Prompt tokens one prefill worker may hold at once (queued + computing); the rest wait in
     # the router, where the bucket order applies. An idle worker always takes one request.
     prefill_token_budget: int = 2048

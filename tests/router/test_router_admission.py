@@ -12,7 +12,7 @@ from router.errors import Overloaded, Unavailable
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 
-LENGTH_AWARE = AdmissionSettings().delays_s()  # short 0, medium 2 s, long 8 s
+LENGTH_AWARE = AdmissionSettings(medium_delay_s=2.0, long_delay_s=8.0).delays_s()
 FIFO = AdmissionSettings(mode="fifo").delays_s()
 
 
