@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+
+import torch
 
 from pdserve.registry import WorkerInfo, WorkerLoad
 from router.server import RouterServer
@@ -55,6 +59,18 @@ def pool_of(*infos: WorkerInfo, default_tokens_per_s: float = 500.0) -> WorkerPo
 
 def with_load(info: WorkerInfo, **load: object) -> WorkerInfo:
     return replace(info, load=replace(info.load, **load))
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """For reference generations next to running workers: with two threads on two busy cores,
+    each op waits for a descheduled thread, and a batch takes 20x longer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class InProcessRouter:

@@ -7,6 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from router_harness import one_torch_thread
 
 from engine import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
@@ -25,7 +26,8 @@ def channel(cluster):
 @pytest.fixture(scope="module")
 def want(llm):
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
-    return llm.generate([PROMPT], params)[0]
+    with one_torch_thread():
+        return llm.generate([PROMPT], params)[0]
 
 
 def request(request_id: str = "") -> pb.GenerateRequest:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 from openai import OpenAI
-from router_harness import MODEL
+from router_harness import MODEL, one_torch_thread
 
 from engine import SamplingParams
 
@@ -46,7 +46,8 @@ def expected(llm) -> dict[str, Expected]:
     names = [*CASES, *CHAT_CASES]
     prompts = [PROMPT] * len(CASES) + [chat_prompt] * len(CHAT_CASES)
     params = [p for _, p in CASES.values()] + list(CHAT_CASES.values())
-    outputs = llm.generate(prompts, params)
+    with one_torch_thread():
+        outputs = llm.generate(prompts, params)
     return {
         name: Expected(o.text, o.finish_reason, len(o.prompt_token_ids), len(o.token_ids))
         for name, o in zip(names, outputs, strict=True)
