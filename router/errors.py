@@ -75,7 +75,7 @@ class Status:
     grpc: grpc.StatusCode
 
 
-# The one mapping, most specific class first.
+# The one mapping; the first class that matches wins.
 _STATUS: list[tuple[type[RouterError], Status]] = [
     (InvalidRequest, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
     (Unauthorized, Status(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)),

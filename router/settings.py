@@ -49,9 +49,19 @@ class AdmissionSettings:
             "default_prefill_tokens_per_s": self.default_prefill_tokens_per_s,
             "kv_block_size": self.kv_block_size,
         }
-        bad = {name: value for name, value in positive.items() if value <= 0}
-        if bad or self.max_queued_requests < 0 or min(self.medium_delay_s, self.long_delay_s) < 0:
-            raise SettingsError(f"admission settings must be positive: {bad or self}")
+        problems = [f"{name}={value} must be > 0" for name, value in positive.items() if value <= 0]
+        non_negative = {
+            "max_queued_requests": self.max_queued_requests,
+            "medium_delay_s": self.medium_delay_s,
+            "long_delay_s": self.long_delay_s,
+            "kv_output_reserve_tokens": self.kv_output_reserve_tokens,
+        }
+        problems += [f"{name}={value} must be >= 0" for name, value in non_negative.items()
+                     if value < 0]  # fmt: skip
+        if not 0.0 <= self.kv_reject_below_ratio < 1.0:
+            problems.append(f"kv_reject_below_ratio={self.kv_reject_below_ratio} not in [0, 1)")
+        if problems:
+            raise SettingsError("admission settings: " + "; ".join(problems))
 
     def delays_s(self) -> dict[LengthBucket, float]:
         """Per-bucket aging delay; FIFO is the same queue with every delay 0."""

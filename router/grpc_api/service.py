@@ -3,7 +3,6 @@ errors become gRPC statuses."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -14,7 +13,8 @@ from pdserve import wire
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router import metrics
-from router.errors import InvalidRequest, Overloaded, RouterError, Unauthorized, status_of
+from router.auth import check_bearer
+from router.errors import InvalidRequest, Overloaded, RouterError, status_of
 from router.gateway import Gateway, Run
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -28,6 +28,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         run = await self._open(request, context, "Generate")
+        metrics.REQUESTS.labels("grpc/Generate", "OK").inc()  # a later error ends the stream
         try:
             async for message in run.messages():
                 message.request_id = request.request_id or message.request_id
@@ -56,6 +57,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             run.close()
         whole.request_id = request.request_id or run.job.ticket.request_id
+        metrics.REQUESTS.labels("grpc/Complete", "OK").inc()
         return whole
 
     async def _open(
@@ -77,19 +79,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             run = await gateway.open(job)
         except RouterError as e:
             await _abort(context, e, method)
-        metrics.REQUESTS.labels(f"grpc/{method}", grpc.StatusCode.OK.name).inc()
         return run
 
 
 def _authorize(context: grpc.aio.ServicerContext, api_key: str | None) -> None:
-    if api_key is None:
-        return
     metadata = dict(context.invocation_metadata() or ())
-    scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    ):
-        raise Unauthorized()
+    check_bearer(str(metadata.get("authorization", "")), api_key)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: RouterError, method: str) -> NoReturn:

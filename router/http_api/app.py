@@ -3,8 +3,6 @@ responses in OpenAI's error shape."""
 
 from __future__ import annotations
 
-import hmac
-import logging
 import time
 from dataclasses import asdict
 from typing import Any
@@ -16,7 +14,8 @@ from starlette.exceptions import HTTPException
 
 from engine import SamplingParams
 from router import metrics
-from router.errors import NotFound, Overloaded, RouterError, Unauthorized, status_of
+from router.auth import check_bearer
+from router.errors import NotFound, Overloaded, RouterError, status_of
 from router.gateway import Gateway, Job
 from router.http_api.body_limit import BodyLimit
 from router.http_api.openai_format import Kind, Responder, error_body, error_json
@@ -24,8 +23,6 @@ from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, pa
 from router.http_api.streaming import ClientGone, collect, sse_events, until_disconnect
 from router.ledger import Share
 from router.workers import WorkerView
-
-log = logging.getLogger(__name__)
 
 
 def error_response(error: RouterError) -> JSONResponse:
@@ -56,13 +53,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     async def authorized(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), settings.api_key.encode()
-        ):
-            raise Unauthorized()
+        check_bearer(request.headers.get("authorization", ""), settings.api_key)
 
     guarded = [Depends(authorized)]
 
@@ -135,9 +126,9 @@ async def _respond(
     request: Request, gateway: Gateway, job: Job, body: GenerationBody, kind: Kind
 ) -> Response:
     run = await until_disconnect(request, gateway.open(job))
-    metrics.REQUESTS.labels(request.url.path, "200").inc()
     responder = Responder(kind, job.ticket.request_id, gateway.settings.model)
-    if body.stream:
+    if body.stream:  # from here on the status is 200; a later error goes in-band
+        metrics.REQUESTS.labels(request.url.path, "200").inc()
         events = sse_events(run, responder, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
@@ -145,6 +136,7 @@ async def _respond(
         text, finish_reason, usage = await until_disconnect(request, collect(run))
     finally:
         run.close()
+    metrics.REQUESTS.labels(request.url.path, "200").inc()
     return JSONResponse(responder.response(text, finish_reason, usage))
 
 
