@@ -3,7 +3,6 @@ child processes, the machine's cores divided among the workers, stopped cleanly 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -217,7 +216,7 @@ class LocalCluster:
         assert self.router is not None, "the banner describes a cluster with its router"
         spec, url = self.spec, self.router.http_url
         body = json.dumps({
-            "model": spec.model, "max_tokens": 32,
+            "model": spec.model, "max_tokens": 32, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
         })  # fmt: skip
         return "\n".join([
@@ -241,7 +240,9 @@ def run_until_signalled(cluster: LocalCluster, echo: Callable[[str], None]) -> i
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
+    # SIGINT too: a launcher started in the background inherits it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
     code = 0
     try:
         cluster.start()
@@ -270,8 +271,20 @@ def _wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float) -> None:
         process.wait()
 
 
+def _libc_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+# Resolved here, not in the forked child: loading a library there could deadlock.
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the launcher dies (Linux), so a killed launcher
     leaves no workers behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
