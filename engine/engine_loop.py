@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.request import StepOutput
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # A snapshot taken on the engine thread: other threads (heartbeat, metrics) read this,
+        # never the scheduler's queues while they change.
+        self.stats: EngineStats = engine.stats()
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -119,6 +122,7 @@ class EngineLoop:
                     command = None
             if self.engine.has_unfinished_requests():
                 self._step()
+            self.stats = self.engine.stats()
         for stream in self._streams.values():
             stream.put(EngineStoppedError("engine loop stopped"))
 
@@ -133,6 +137,7 @@ class EngineLoop:
                 self.engine.abort_request(request_id)
             self._streams.clear()
             return
+        self.stats = self.engine.stats()
         if self.on_step is not None:
             self.on_step(time.perf_counter() - start, len(outputs))
         for output in outputs:

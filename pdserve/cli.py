@@ -23,7 +23,7 @@ RedisUrl = Annotated[str, typer.Option(envvar="REDIS_URL", help="Worker registry
 Model = Annotated[str, typer.Option(envvar="PDSERVE_MODEL", help="Model name, .gguf or HF dir.")]
 DType = Annotated[str, typer.Option(envvar="PDSERVE_DTYPE", help="float32 | bfloat16 | float16.")]
 Threads = Annotated[int, typer.Option(envvar="PDSERVE_THREADS", help="Torch threads; 0 = all.")]
-Host = Annotated[str, typer.Option(help="Bind address.")]
+Host = Annotated[str, typer.Option(envvar="PDSERVE_HOST", help="Bind address.")]
 Advertise = Annotated[
     str, typer.Option(envvar="PDSERVE_ADVERTISE_HOST", help="Address peers use; default: host.")
 ]

@@ -44,6 +44,9 @@ class RedisServer:
              "--appendonly", "no", "--dir", self._dir.name],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # Its own session: a terminal's Ctrl-C must not stop Redis before the workers that
+            # deregister from it have drained; stop() ends it last.
+            start_new_session=True,
         )  # fmt: skip
         self._wait_ready()
 

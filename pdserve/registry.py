@@ -38,6 +38,7 @@ class WorkerInfo:
     kv_backend: str
     max_model_len: int
     chunk_size: int
+    block_size: int  # tokens per KV block: what a KV headroom in blocks means
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated_at: float = 0.0
 
@@ -103,5 +104,5 @@ class Heartbeat:
         while not self._stopped.wait(self.ttl_s / 3):
             try:
                 self.registry.publish(self.info(), self.ttl_s)
-            except redis.RedisError as e:  # keep serving; the entry may lapse until Redis is back
+            except Exception as e:  # never let the thread die: a worker would vanish silently
                 log.warning("registry heartbeat failed: %s", e)

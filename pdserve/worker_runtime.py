@@ -147,7 +147,7 @@ class WorkerRuntime:
         return f"{host}:{self.port}"
 
     def info(self) -> WorkerInfo:
-        stats = self.engine.stats()  # plain reads of counters: safe off the engine thread
+        stats = self.loop.stats
         self._refresh_gauges()
         host = self.settings.advertise_host or self.settings.host
         return WorkerInfo(
@@ -158,6 +158,7 @@ class WorkerRuntime:
             kv_backend=self.kv_agent.backend,
             max_model_len=self.engine.max_model_len,
             chunk_size=self.settings.engine.chunk_size,
+            block_size=self.settings.engine.block_size,
             load=WorkerLoad(
                 queued_tokens=stats.num_queued_tokens,
                 running_requests=stats.num_running_requests,
@@ -174,14 +175,15 @@ class WorkerRuntime:
 
     def _refresh_gauges(self) -> None:
         """After every step, and on every heartbeat (aborts free blocks between steps)."""
-        pool, scheduler = self.engine.pool, self.engine.scheduler
-        KV_BLOCKS_FREE.set(pool.num_free_blocks)
-        KV_BLOCKS_USED.set(pool.num_used_blocks)
-        KV_CACHE_USAGE.set(pool.usage)
+        stats = self.loop.stats
+        num_used = stats.num_blocks - stats.num_free_blocks
+        KV_BLOCKS_FREE.set(stats.num_free_blocks)
+        KV_BLOCKS_USED.set(num_used)
+        KV_CACHE_USAGE.set(num_used / stats.num_blocks)
         if self.settings.role == "prefill":
-            PREFILL_QUEUED_TOKENS.set(scheduler.num_queued_tokens)
+            PREFILL_QUEUED_TOKENS.set(stats.num_queued_tokens)
         else:
-            DECODE_RUNNING.set(len(scheduler.running))
+            DECODE_RUNNING.set(stats.num_running_requests)
 
     # ---- request admission and draining -------------------------------------------------------
     @contextmanager

@@ -20,7 +20,8 @@ def info(role: str, worker_id: str, queued_tokens: int = 0) -> WorkerInfo:
     return WorkerInfo(
         role=role, worker_id=worker_id, address=f"127.0.0.1:{5000 + len(worker_id)}",
         metrics_url="http://127.0.0.1:9400/metrics", kv_backend="tcp", max_model_len=8192,
-        chunk_size=512, load=WorkerLoad(queued_tokens=queued_tokens, total_blocks=64),
+        chunk_size=512, block_size=16,
+        load=WorkerLoad(queued_tokens=queued_tokens, total_blocks=64),
     )  # fmt: skip
 
 

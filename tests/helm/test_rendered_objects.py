@@ -220,15 +220,15 @@ def test_grpc_probes_and_drain(default_docs, all_on_docs, role):
 def test_container_args_and_ports(default_docs):
     expected = {
         "router": (
-            ["router", "--http-port=8000", "--grpc-port=50051"],
+            ["router", "--host=0.0.0.0", "--http-port=8000", "--grpc-port=50051"],
             {"http": 8000, "grpc": 50051},
         ),
         "prefill": (
-            ["prefill", "--port=50061", "--metrics-port=9400"],
+            ["prefill", "--host=0.0.0.0", "--port=50061", "--metrics-port=9400"],
             {"grpc": 50061, "metrics": 9400},
         ),
         "decode": (
-            ["decode", "--port=50062", "--metrics-port=9400"],
+            ["decode", "--host=0.0.0.0", "--port=50062", "--metrics-port=9400"],
             {"grpc": 50062, "metrics": 9400},
         ),
     }

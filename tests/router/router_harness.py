@@ -29,8 +29,11 @@ def worker(
         queued_tokens=queued_tokens, running_requests=running, free_blocks=free_blocks,
         total_blocks=total_blocks, prefill_tokens_per_s=tokens_per_s,
     )  # fmt: skip
-    return WorkerInfo(role, worker_id, f"{worker_id}:1", "", "tcp", max_model_len, 512, load,
-                      updated_at)  # fmt: skip
+    return WorkerInfo(
+        role=role, worker_id=worker_id, address=f"{worker_id}:1", metrics_url="",
+        kv_backend="tcp", max_model_len=max_model_len, chunk_size=512, block_size=16, load=load,
+        updated_at=updated_at,
+    )  # fmt: skip
 
 
 def ticket(

@@ -49,6 +49,8 @@ spec:
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args:
             - {{ .component }}
+            # Bind every interface: peers reach the pod by its IP (PDSERVE_ADVERTISE_HOST).
+            - --host=0.0.0.0
             - --port={{ $values.port }}
             - --metrics-port={{ $values.metricsPort }}
           # KV transfer (NIXL/UCX or TCP) also opens worker-to-worker connections on ephemeral
