@@ -520,9 +520,8 @@ def parse_args() -> argparse.Namespace:
     if max(args.prefill_sizes) > max(PREFILL_SIZES) or min(args.prefill_sizes) < 1:
         parser.error(f"prefill sizes must be in [1, {max(PREFILL_SIZES)}] (one chunk)")
     if max(args.decode_batches) * DECODE_PROMPT_TOKENS > max(PREFILL_SIZES):
-        parser.error(
-            f"decode batches must fit one step: at most {max(PREFILL_SIZES) // DECODE_PROMPT_TOKENS}"
-        )
+        most = max(PREFILL_SIZES) // DECODE_PROMPT_TOKENS
+        parser.error(f"decode batches must fit one step: at most {most}")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: the first token closes the prefill")
     return args
