@@ -33,13 +33,16 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions: [T, 1, head_dim], looked up once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class DecoderLayer:
@@ -60,8 +63,7 @@ class DecoderLayer:
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of this step's positions
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         attention: AttentionBackend,
@@ -71,8 +73,8 @@ class DecoderLayer:
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = rope(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
-        k = rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), *rope)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), *rope)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         write_kv(layer_cache, meta, k, v)
         o = attention.forward(q, layer_cache, meta, k, v)
@@ -108,7 +110,8 @@ class LlamaModel:
         logit_rows: torch.Tensor,  # which of the T positions need logits
     ) -> torch.Tensor:  # [len(logit_rows), vocab] float32
         x = self.embed[input_ids]
+        rope = self.rope.at(positions)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, positions, self.rope, kv_cache[:, i], meta, attention)
+            x = layer.forward(x, rope, kv_cache[:, i], meta, attention)
         h = rms_norm(x[logit_rows], self.final_norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
