@@ -38,9 +38,11 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Each prints a JSON summary as its last line; `bench/engine.py` without --quick takes ~12 min.
 bench: setup proto
-	$(PY) bench/engine.py
+	$(PY) bench/engine.py --quick
 	$(PY) bench/kvtransfer.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV) .venv-tools proto/gen
