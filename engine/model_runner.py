@@ -76,6 +76,7 @@ class ModelRunner:
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slot_block_ids: list[int] = []  # the block each new token's KV goes to
         prefills: list[PrefillSegment] = []
         decode_rows: list[int] = []
         decode_requests: list[Request] = []
@@ -85,32 +86,21 @@ class ModelRunner:
             token_start = len(input_ids)
             input_ids.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
+            slot_block_ids.extend(r.block_ids[p // bs] for p in range(start, end))
             if item.num_new_tokens == 1 and start > 0:
                 decode_rows.append(token_start)
                 decode_requests.append(r)
             else:
-                table = torch.tensor(r.block_ids[: -(-end // bs)], dtype=torch.long)
+                table = torch.tensor(r.block_ids[: -(-end // bs)], device=self.device)
                 prefills.append(PrefillSegment(token_start, len(input_ids), start, table))
-        pos = torch.tensor(positions, dtype=torch.long)
-        block_of_token = torch.tensor(
-            [b for item in batch for b in self._token_blocks(item)], dtype=torch.long
-        )
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
-            slot_block_ids=block_of_token.to(self.device),
-            slot_offsets=(pos % bs).to(self.device),
-            prefills=[_to(seg, self.device) for seg in prefills],
+            slot_block_ids=torch.tensor(slot_block_ids, dtype=torch.long, device=self.device),
+            slot_offsets=pos % bs,
+            prefills=prefills,
             **self._decode_metadata(decode_rows, decode_requests),
         )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            pos.to(self.device),
-            meta,
-        )
-
-    def _token_blocks(self, item: ScheduledRequest) -> list[int]:
-        bs, r = self.config.block_size, item.request
-        start = r.num_computed_tokens
-        return [r.block_ids[p // bs] for p in range(start, start + item.num_new_tokens)]
+        return torch.tensor(input_ids, dtype=torch.long, device=self.device), pos, meta
 
     def _decode_metadata(self, rows: list[int], requests: list[Request]) -> dict:
         bs = self.config.block_size
@@ -132,9 +122,3 @@ class ModelRunner:
             "decode_context_lens": lens.to(self.device),
             "decode_mask": mask,
         }
-
-
-def _to(seg: PrefillSegment, device: torch.device) -> PrefillSegment:
-    return PrefillSegment(
-        seg.token_start, seg.token_end, seg.context_start, seg.block_table.to(device)
-    )
