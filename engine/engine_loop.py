@@ -121,8 +121,9 @@ class EngineLoop:
                 except queue.Empty:
                     command = None
             if self.engine.has_unfinished_requests():
-                self._step()
-            self.stats = self.engine.stats()
+                self._step()  # refreshes the stats itself, before on_step reads them
+            else:
+                self.stats = self.engine.stats()
         for stream in self._streams.values():
             stream.put(EngineStoppedError("engine loop stopped"))
 
@@ -136,6 +137,7 @@ class EngineLoop:
                 stream.put(e)
                 self.engine.abort_request(request_id)
             self._streams.clear()
+            self.stats = self.engine.stats()
             return
         self.stats = self.engine.stats()
         if self.on_step is not None:

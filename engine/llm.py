@@ -44,8 +44,7 @@ class LLM:
             for prompt, p in zip(prompts, params_list, strict=True)
         ]
         for request in requests:
-            self.engine.requests[request.request_id] = request
-            self.engine.scheduler.add(request)
+            self.engine.enqueue(request)
         while any(not r.is_finished for r in requests):
             self.engine.step()
         return [

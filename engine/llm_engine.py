@@ -92,8 +92,11 @@ class LLMEngine:
         )
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
-        request = self.make_request(request_id, prompt, params)
-        self.requests[request_id] = request
+        return self.enqueue(self.make_request(request_id, prompt, params))
+
+    def enqueue(self, request: Request) -> Request:
+        """Queues a request built by make_request."""
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request
 
