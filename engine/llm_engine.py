@@ -37,14 +37,25 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, model_config: ModelConfig | None = None,
+        tokenizer: TextTokenizer | None = None, runner: ModelRunner | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        """model_config, tokenizer and runner, given together, replace what would be loaded
+        from config.model: the cluster simulator (sim/) passes a cost-model runner with the
+        same execute() and a virtual clock, so everything else here runs as in a worker."""
         self.config = config
+        self.clock = clock  # stamps request times and times steps
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_dir = resolve_model(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = TextTokenizer.load(self.model_dir)
-        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        if runner is None:
+            self.model_dir = resolve_model(config.model)
+            model_config = ModelConfig.from_dir(self.model_dir)
+            tokenizer = TextTokenizer.load(self.model_dir)
+            runner = ModelRunner(config, model_config, self.model_dir)
+        assert model_config is not None and tokenizer is not None, "a runner needs both"
+        self.model_config, self.tokenizer, self.runner = model_config, tokenizer, runner
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(config, self.kv)
@@ -89,6 +100,7 @@ class LLMEngine:
             generator=make_generator(params, self.config.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             max_total_tokens=min(self.max_model_len, len(token_ids) + params.max_tokens),
+            arrival_time_s=self.clock(),
         )
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
@@ -148,13 +160,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        now = time.monotonic()
+        start = self.clock()
         for item in batch:
             if item.request.first_scheduled_time_s is None:
-                item.request.first_scheduled_time_s = now
-        start = time.perf_counter()
+                item.request.first_scheduled_time_s = start
         next_tokens = self.runner.execute(batch)
-        self._record_prefill_speed(batch, time.perf_counter() - start)
+        self._record_prefill_speed(batch, self.clock() - start)
         outputs = []
         for item in batch:
             request = item.request
@@ -171,7 +182,7 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token_id: int) -> StepOutput:
         if request.first_token_time_s is None:
-            request.first_token_time_s = time.monotonic()
+            request.first_token_time_s = self.clock()
         request.token_ids.append(token_id)
         params = request.params
         is_eos = token_id == self.tokenizer.eos_token_id and not params.ignore_eos
