@@ -1,6 +1,6 @@
 """Moving KV cache blocks between workers: NIXL (UCX) one-sided WRITEs, with a TCP fallback."""
 
-from kvtransfer.agent import KVAgent, TransferHandle
+from kvtransfer.agent import Fence, KVAgent, TransferHandle
 from kvtransfer.errors import (
     KVCancelledError,
     KVHeaderMismatchError,
@@ -13,6 +13,7 @@ from kvtransfer.layout import KVLayout
 
 __all__ = [
     "Backend",
+    "Fence",
     "KVAgent",
     "KVCancelledError",
     "KVHeaderMismatchError",

@@ -54,6 +54,25 @@ class TransferHandle:
             KV_TRANSFER_SECONDS.labels(self.backend).observe(time.perf_counter() - self._started_s)
 
 
+@dataclass(slots=True, eq=False)
+class Fence:
+    """Whether the writers of a cancelled request have all stopped. One that is not done when
+    cancel() returns may still write into the request's blocks: they must stay out of use until
+    it is done (a writer's late confirmation sets it) or the writer is known dead."""
+
+    writer_names: set[str] = field(default_factory=set)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def is_done(self) -> bool:
+        return self.done.is_set()
+
+
+def done_fence() -> Fence:
+    fence = Fence()
+    fence.done.set()
+    return fence
+
+
 class KVAgent(ABC):
     """One worker's end of KV transfers: receives into, and sends from, its paged KV cache.
 
@@ -83,17 +102,17 @@ class KVAgent(ABC):
         self._inbox.expect(request_id, block_ids)
 
     def wait(self, request_id: str, timeout_s: float) -> None:
-        """Returns when every expected block has landed; the request is forgotten either way."""
-        entry, error = self._inbox.wait(request_id, timeout_s)
+        """Returns when every expected block has landed, and forgets the request. Raises
+        KVTransferError otherwise, leaving it expected: cancel() it to fence its writers."""
+        error = self._inbox.wait(request_id, timeout_s)
         if error is not None:
-            self._fence(entry)
             raise error
 
-    def cancel(self, request_id: str) -> None:
-        """Forget the request; once this returns, no late byte for it lands in its blocks."""
+    def cancel(self, request_id: str) -> Fence:
+        """Forgets the request and stops its writers. When the returned fence is done, no late
+        byte for it can land in its blocks; when not, a writer did not confirm in time."""
         entry = self._inbox.forget(request_id)
-        if entry is not None:
-            self._fence(entry)
+        return done_fence() if entry is None else self._fence(entry)
 
     @abstractmethod
     def send(
@@ -110,8 +129,8 @@ class KVAgent(ABC):
         """Release registrations, sockets and threads; open requests fail as cancelled."""
 
     @abstractmethod
-    def _fence(self, entry: Expected) -> None:
-        """Return once no write for this forgotten request can still land in its blocks."""
+    def _fence(self, entry: Expected) -> Fence:
+        """Stops the writers of this forgotten request; waits a bounded time for them."""
 
     def _check_send_args(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         if not src_block_ids or len(src_block_ids) != len(dst_block_ids):

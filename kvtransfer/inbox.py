@@ -139,19 +139,19 @@ class Inbox:
             entry.error = error
             entry.done.set()
 
-    def wait(self, request_id: str, timeout_s: float) -> tuple[Expected, KVTransferError | None]:
-        """Block until the request completes or fails; it is forgotten either way."""
+    def wait(self, request_id: str, timeout_s: float) -> KVTransferError | None:
+        """Block until the request completes (it is then forgotten) or fails (it stays, for
+        cancel() to fence); returns the failure."""
         with self._lock:
             entry = self._requests.get(request_id)
         if entry is None:
             raise ValueError(f"wait() for request {request_id!r}, which is not expected")
-        if entry.done.wait(timeout_s):
-            error = entry.error
-        else:
+        if not entry.done.wait(timeout_s):
             landed = f"{entry.num_landed} of {entry.num_expected_blocks} blocks landed"
-            error = KVTimeoutError(request_id, f"{landed} within {timeout_s} s")
-        self.forget(request_id)
-        return entry, error
+            return KVTimeoutError(request_id, f"{landed} within {timeout_s} s")
+        if entry.error is None:
+            self.forget(request_id)
+        return entry.error
 
     def forget(self, request_id: str) -> Expected | None:
         with self._lock:

@@ -23,7 +23,7 @@ from nixl_cu12 import (
     nixl_xfer_handle,
 )
 
-from kvtransfer.agent import KVAgent, TransferHandle
+from kvtransfer.agent import Fence, KVAgent, TransferHandle, done_fence
 from kvtransfer.errors import (
     KVPeerError,
     KVTransferError,
@@ -103,12 +103,6 @@ class _Burst:
     stop_error: KVTransferError | None = None  # set by the receiver's 'stop'
 
 
-@dataclass(slots=True)
-class _Fence:
-    writer_names: set[str]
-    done: threading.Event = field(default_factory=threading.Event)
-
-
 def _block_descs(
     base_address: int, num_blocks: int, bytes_per_block: int, device_id: int
 ) -> np.ndarray:
@@ -155,7 +149,10 @@ class NixlAgent(KVAgent):
         self._remote_blocks: dict[str, nixl_prepped_dlist_handle] = {}  # by agent name
         self._loaded_agents: set[str] = set()
         self._bursts: dict[tuple[str, str], _Burst] = {}  # (agent name, request id)
-        self._fences: dict[str, _Fence] = {}  # request id -> writers not yet drained
+        self._fences: dict[str, Fence] = {}  # request id -> writers not yet drained
+        # Fences whose writers stayed silent past the drain timeout: a late 'drained' still
+        # settles them, but they no longer keep the driver polling fast.
+        self._late_fences: dict[str, Fence] = {}
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._driver = threading.Thread(target=self._drive, name="kv-nixl-driver", daemon=True)
@@ -194,19 +191,22 @@ class NixlAgent(KVAgent):
         self._call(partial(self._start_job, _Job(peer, header, list(src_block_ids), handle)))
         return handle
 
-    def _fence(self, entry: Expected) -> None:
+    def _fence(self, entry: Expected) -> Fence:
         # entry is forgotten: no writer can be admitted any more, so writer_ids is final.
         if not entry.writer_ids or self._closed.is_set():
-            return
-        fence = _Fence(set(entry.writer_ids))
+            return done_fence()
+        fence = Fence(set(entry.writer_ids))
         self._call(partial(self._start_fence, entry.request_id, fence))
         if not fence.done.wait(_DRAIN_TIMEOUT_S):
             logger.warning(
-                "request %s: writers %s did not confirm a stop within %s s; taking them as dead",
+                "request %s: writers %s did not confirm a stop within %s s; its blocks must "
+                "stay out of use until they do",
                 entry.request_id,
                 sorted(fence.writer_names),
                 _DRAIN_TIMEOUT_S,
             )
+            self._call(partial(self._demote_fence, entry.request_id))
+        return fence
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -229,8 +229,7 @@ class NixlAgent(KVAgent):
                 job.handle.resolve(KVPeerError(job.header.request_id, "agent closed"))
                 _release_quietly(xfer)
         self._bursts.clear()
-        for fence in self._fences.values():
-            fence.done.set()
+        # The fences stay unsettled: closing does not stop a remote writer.
         for remote in self._remote_blocks.values():
             _release_quietly(remote)
         _release_quietly(self._local_blocks)
@@ -320,7 +319,7 @@ class NixlAgent(KVAgent):
         self._inbox.land(entry)
         KV_TRANSFER_BYTES.labels(self.backend, "received").inc(header.num_bytes)
 
-    def _start_fence(self, request_id: str, fence: _Fence) -> None:
+    def _start_fence(self, request_id: str, fence: Fence) -> None:
         self._fences[request_id] = fence
         for agent_name in list(fence.writer_names):
             try:
@@ -331,15 +330,21 @@ class NixlAgent(KVAgent):
         self._settle_fence(request_id, fence)
 
     def _on_drained(self, agent_name: str, request_id: str) -> None:
-        fence = self._fences.get(request_id)
+        fence = self._fences.get(request_id) or self._late_fences.get(request_id)
         if fence is not None:
             fence.writer_names.discard(agent_name)
             self._settle_fence(request_id, fence)
 
-    def _settle_fence(self, request_id: str, fence: _Fence) -> None:
+    def _settle_fence(self, request_id: str, fence: Fence) -> None:
         if not fence.writer_names:
             fence.done.set()
-            del self._fences[request_id]
+            self._fences.pop(request_id, None)
+            self._late_fences.pop(request_id, None)
+
+    def _demote_fence(self, request_id: str) -> None:
+        fence = self._fences.pop(request_id, None)
+        if fence is not None and not fence.is_done():
+            self._late_fences[request_id] = fence
 
     # sender side
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.agent import KVAgent, TransferHandle
+from kvtransfer.agent import Fence, KVAgent, TransferHandle, done_fence
 from kvtransfer.blocks import byte_view, runs
 from kvtransfer.errors import KVCancelledError, KVPeerError, KVTransferError
 from kvtransfer.inbox import Expected
@@ -89,10 +89,10 @@ class TcpAgent(KVAgent):
 
     # ---- receiver side
 
-    def _fence(self, entry: Expected) -> None:
+    def _fence(self, entry: Expected) -> Fence:
         # Nothing to wait for: forget() took the request's write lock, so no recv_into into its
         # blocks is in progress, and every later byte for it is read into a scratch buffer.
-        return
+        return done_fence()
 
     def _accept_loop(self) -> None:
         while True:
