@@ -185,21 +185,16 @@ class LLMEngine:
             request.first_token_time_s = self.clock()
         request.token_ids.append(token_id)
         params = request.params
-        is_eos = token_id == self.tokenizer.eos_token_id and not params.ignore_eos
-        hidden = is_eos or token_id in params.stop_token_ids
-        delta = "" if hidden else request.detokenizer.add(token_id)
+        hit = request.output.add(token_id, params, self.tokenizer.eos_token_id)
         reason: FinishReason | None = None
-        if is_eos or token_id in params.stop_token_ids:
-            reason = "stop"
-        elif params.stop and (cut := _find_stop(request.detokenizer.text, params.stop, delta)):
-            text_before = len(request.detokenizer.text) - len(delta)
-            request.stopped_text = request.detokenizer.text[:cut]
-            delta = request.stopped_text[text_before:]
-            reason = "stop"
+        if hit is not None:
+            reason, request.stop_reason = "stop", hit.reason
         elif request.num_tokens >= request.max_total_tokens:
             reason = "length"
         if reason is not None:
             self._finish(request, reason)
+        # Text that may begin a stop string is held back until the request ends.
+        delta = request.output.release(params, finished=reason is not None)
         return StepOutput(
             request_id=request.request_id,
             new_token_ids=[token_id],
@@ -207,6 +202,7 @@ class LLMEngine:
             num_computed_tokens=request.num_computed_tokens,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -239,14 +235,3 @@ class LLMEngine:
 
 def _progress(request: Request) -> StepOutput:
     return StepOutput(request.request_id, [], "", request.num_computed_tokens, False, None)
-
-
-def _find_stop(text: str, stops: tuple[str, ...], delta: str) -> int | None:
-    """Index where the earliest stop string starts, searching only where the new text could
-    have completed one."""
-    if not delta:
-        return None
-    window = len(delta) + max(len(s) for s in stops) - 1
-    start = max(0, len(text) - window)
-    hits = [i for s in stops if (i := text.find(s, start)) != -1]
-    return min(hits) if hits else None

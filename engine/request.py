@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from engine.sampling import SamplingParams
+from engine.stop import OutputText, StopReason
 from engine.tokenizer import IncrementalDetokenizer
 
 RequestStatus = Literal["waiting", "running", "awaiting_kv", "finished"]
@@ -37,11 +38,15 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    stopped_text: str | None = None  # output text cut at a stop string
+    stop_reason: StopReason = None  # with finish_reason "stop": the stop string or token id
+    output: OutputText = field(init=False)  # the text clients see (stop strings applied)
     num_preemptions: int = 0
     arrival_time_s: float = field(default_factory=time.monotonic)
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.output = OutputText(self.detokenizer)
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +66,7 @@ class Request:
 
     @property
     def text(self) -> str:
-        return self.detokenizer.text if self.stopped_text is None else self.stopped_text
+        return self.output.text
 
     @property
     def is_finished(self) -> bool:
@@ -94,3 +99,4 @@ class StepOutput:
     num_computed_tokens: int
     finished: bool
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None

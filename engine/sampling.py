@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default=())
     stop_token_ids: Sequence[int] = field(default=())
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
 
     def __post_init__(self) -> None:
         # Accept a single stop string or any sequence, the way OpenAI clients send it.
@@ -30,6 +32,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise InvalidRequestError(
+                f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}"
+            )
         if self.temperature < 0.0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

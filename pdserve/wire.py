@@ -3,20 +3,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
-from engine import InsufficientKVError, InvalidRequestError, SamplingParams
+from engine import EngineBusyError, InvalidRequestError, SamplingParams
+from engine.engine_loop import EngineDiedError, EngineStoppedError
 from engine.request import StepOutput
+from engine.stop import StopReason
 from pdserve.v1 import generation_pb2 as pb
 
-# Each typed error a worker can meet, and the status a client gets for it.
+
+class PrefillFailedError(RuntimeError):
+    """No prefill worker filled the request's KV (each one tried is named)."""
+
+
+class DeadlineExceededError(RuntimeError):
+    """The request's deadline passed before it could be served."""
+
+
+class CallerGoneError(RuntimeError):
+    """The caller cancelled the request or went away."""
+
+
+# Each typed error a worker can meet, and the status a client gets for it; the first class
+# that matches wins, and anything else is an INTERNAL bug.
 _STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InsufficientKVError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineDiedError, grpc.StatusCode.INTERNAL),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+    (PrefillFailedError, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (CallerGoneError, grpc.StatusCode.CANCELLED),
 ]
+_TYPED = tuple(kind for kind, _ in _STATUS_OF)
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:
@@ -26,16 +48,13 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def abort_with(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
-    context.abort(status_of(error), str(error))
-
-
-def call_or_abort(context: grpc.ServicerContext, fn: Callable[[], object]):
-    """Runs fn; a typed engine error becomes the matching gRPC status for the caller."""
+@contextmanager
+def statuses(context: grpc.ServicerContext) -> Iterator[None]:
+    """Wraps an RPC handler: a typed error ends the call with its status and message."""
     try:
-        return fn()
-    except (InvalidRequestError, InsufficientKVError) as e:
-        abort_with(context, e)
+        yield
+    except _TYPED as e:
+        context.abort(status_of(e), str(e))
 
 
 def sampling_params(proto: pb.SamplingParams, **overrides: object) -> SamplingParams:
@@ -46,7 +65,7 @@ def sampling_params(proto: pb.SamplingParams, **overrides: object) -> SamplingPa
             fields[name] = getattr(proto, name)
     fields.update(
         stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
-        ignore_eos=proto.ignore_eos,
+        ignore_eos=proto.ignore_eos, include_stop_str_in_output=proto.include_stop_str_in_output,
     )  # fmt: skip
     fields.update(overrides)
     return SamplingParams(**fields)
@@ -62,13 +81,29 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 
 def response(output: StepOutput) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
+    message = pb.GenerateResponse(
         request_id=output.request_id,
         token_ids=output.new_token_ids,
         text=output.text_delta,
         finish_reason=output.finish_reason or "",
     )
+    set_stop_reason(message, output.stop_reason)
+    return message
+
+
+def set_stop_reason(message: pb.GenerateResponse, reason: StopReason) -> None:
+    if isinstance(reason, str):
+        message.stop_str = reason
+    elif isinstance(reason, int):
+        message.stop_token_id = reason
+
+
+def stop_reason_of(message: pb.GenerateResponse) -> StopReason:
+    """vLLM's stop_reason: the stop string, the stop token id, or None."""
+    kind = message.WhichOneof("stop_reason")
+    return None if kind is None else getattr(message, kind)
