@@ -261,6 +261,15 @@ def router(
     asyncio.run(serve(settings))
 
 
+def _restart_defaults():
+    from pdserve.launcher import RestartPolicy
+
+    return RestartPolicy()
+
+
+_RESTART = _restart_defaults()
+
+
 @app.command()
 def up(
     num_prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,
@@ -276,18 +285,28 @@ def up(
     routing_policy: Policy = _R.routing.policy,
     admission: Admission = _A.mode,
     log_dir: Annotated[str, typer.Option(help="Child logs; default: a new temp dir.")] = "",
+    restart_backoff_s: Annotated[
+        float, typer.Option(envvar="PDSERVE_RESTART_BACKOFF_S", help="First restart delay.")
+    ] = _RESTART.backoff_s,
+    max_restart_backoff_s: Annotated[
+        float,
+        typer.Option(envvar="PDSERVE_MAX_RESTART_BACKOFF_S", help="Cap of a crash loop's delay."),
+    ] = _RESTART.max_backoff_s,
 ) -> None:
     """Run a whole local cluster: Redis, the workers and the router (PDSERVE_API_KEY, when
-    set, protects the router). Ctrl-C stops it all."""
+    set, protects the router). A process that dies is restarted with backoff; Ctrl-C or
+    SIGTERM stops it all."""
     from pathlib import Path
 
-    from pdserve.launcher import ClusterSpec, LocalCluster, run_until_signalled
+    from pdserve.launcher import ClusterSpec, LocalCluster, RestartPolicy, run_until_signalled
 
+    restart = RestartPolicy(restart_backoff_s, max_restart_backoff_s, _RESTART.stable_after_s)
     spec = ClusterSpec(
         num_prefill=num_prefill, num_decode=num_decode, model=model, dtype=dtype,
         kv_backend=kv_backend, host=host, http_port=http_port, grpc_port=grpc_port,
         num_cores=cores, warmup=warmup, log_dir=Path(log_dir) if log_dir else None,
         router_args=("--routing-policy", routing_policy, "--admission", admission),
+        restart=restart,
     )  # fmt: skip
     raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))
 

@@ -1,5 +1,6 @@
 """The local cluster (`pdserve up`): Redis, N prefill and M decode workers and the router as
-child processes, the machine's cores divided among the workers, stopped cleanly in order."""
+child processes, the machine's cores divided among the workers, each restarted with backoff
+when it dies, all stopped cleanly in order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,10 +24,46 @@ from pdserve.redis_server import RedisServer, free_port
 from pdserve.registry import Registry, Role
 
 WORKER_DRAIN_GRACE_S = 5.0  # a local cluster has no rolling updates to wait for
+SUPERVISE_EVERY_S = 0.5
+Report = Callable[[str], None]
 
 
 class ChildExited(RuntimeError):
-    """A process of the cluster exited on its own; carries the tail of its log."""
+    """A process of the cluster exited during start-up; carries the tail of its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How a process that died is started again: after backoff_s, doubled for every death in a
+    row that came sooner than stable_after_s after its start (a crash loop), at most
+    max_backoff_s, so a child that cannot start is retried, and logged, every max_backoff_s."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0
+
+
+@dataclass(slots=True)
+class Restarts:
+    """One supervised process's history: when it started, and when its next start is due."""
+
+    started_s: float = field(default_factory=time.monotonic)
+    num_restarts: int = 0
+    num_quick_deaths: int = 0  # deaths in a row within stable_after_s of a start
+    due_s: float | None = None  # a restart is pending until then
+
+    def schedule(self, policy: RestartPolicy, now_s: float) -> float:
+        """The process was found dead at now_s: the delay before its restart."""
+        quick = now_s - self.started_s < policy.stable_after_s
+        self.num_quick_deaths = self.num_quick_deaths + 1 if quick else 1
+        delay_s = min(policy.max_backoff_s, policy.backoff_s * 2 ** (self.num_quick_deaths - 1))
+        self.due_s = now_s + delay_s
+        return delay_s
+
+    def restarted(self, now_s: float) -> None:
+        self.num_restarts += 1
+        self.started_s = now_s
+        self.due_s = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +83,7 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # more `pdserve prefill|decode` flags (TLS, ...)
     log_dir: Path | None = None
     startup_timeout_s: float = 300.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def threads_per_worker(self) -> int:
         """Torch threads per worker: the cores shared out, because workers that each take
@@ -56,8 +96,10 @@ class ClusterSpec:
 class Child:
     name: str
     role: str  # the `pdserve` command it runs: router, prefill or decode
+    args: list[str]  # its `pdserve` command line, to start it again the same way
     process: subprocess.Popen[bytes]
     log_path: Path
+    restarts: Restarts = field(default_factory=Restarts)
 
     def log_tail(self, num_lines: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -94,6 +136,12 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     router: RouterEndpoint | None = None  # the one `up` starts (with_router)
     log_dir: Path = field(init=False)
+    redis_restarts: Restarts = field(default_factory=Restarts)
+    # The supervisor thread and stop() both change children and Redis: one at a time.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _stopping: bool = False
+    _supervisor: threading.Thread | None = None
+    _supervisor_stop: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
@@ -106,7 +154,8 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         """Starts everything and waits until all of it serves; on any failure stops what
-        started and raises."""
+        started and raises. A child that dies before the cluster is up is a configuration
+        error (a port in use, a bad flag): start-up fails with its log instead of retrying."""
         from engine.loader import resolve_model
 
         spec = self.spec
@@ -119,7 +168,8 @@ class LocalCluster:
             if spec.with_router:  # starts while the workers load their models
                 self.router = self._spawn_router("router", spec.router_args,
                                                  spec.http_port, spec.grpc_port)  # fmt: skip
-            self._wait_ready([self.router] if self.router else [])
+            routers = [self.router] if self.router else []
+            self._wait_ready(routers, self.children, self._all_registered)
         except BaseException:
             self.stop()
             raise
@@ -127,15 +177,36 @@ class LocalCluster:
 
     def add_router(self, name: str, args: tuple[str, ...] = ()) -> RouterEndpoint:
         """Another router on the same workers (e.g. a benchmark's other admission mode)."""
-        router = self._spawn_router(name, args, 0, 0)
-        self._wait_ready([router])
+        with self._lock:
+            router = self._spawn_router(name, args, 0, 0)
+            child = self.children[-1]
+        self._wait_ready([router], [child], lambda: True)
         return router
 
     def remove_router(self, router: RouterEndpoint) -> None:
-        (child,) = [c for c in self.children if c.name == router.name]
+        with self._lock:  # out of the list first: the supervisor must not restart it
+            (child,) = [c for c in self.children if c.name == router.name]
+            self.children.remove(child)
         child.process.send_signal(signal.SIGTERM)
         _wait_or_kill(child.process, WORKER_DRAIN_GRACE_S + 15)
-        self.children.remove(child)
+
+    def child(self, name: str) -> Child:
+        with self._lock:
+            (found,) = [c for c in self.children if c.name == name]
+            return found
+
+    def signal_child(self, name: str, sig: signal.Signals = signal.SIGKILL) -> int | None:
+        """Sends sig to a child's current process ("redis": the Redis server), a fault for
+        the cluster to survive; its pid, or None while it is down (a restart pending)."""
+        with self._lock:
+            if name == "redis":
+                process = self.redis.process if self.redis is not None else None
+            else:
+                process = self.child(name).process
+            if process is None or process.poll() is not None:
+                return None
+            process.send_signal(sig)
+            return process.pid
 
     def _worker_args(self, worker_id: str) -> list[str]:
         spec = self.spec
@@ -153,6 +224,7 @@ class LocalCluster:
         host = self.spec.host
         router = RouterEndpoint(name, host, http_port or free_port(host),
                                 grpc_port or free_port(host))  # fmt: skip
+        # Fixed ports, also on a restart: clients keep the address they were given.
         self._spawn(name, [
             "router", "--redis-url", self.redis_url, "--model", self.spec.model, "--host", host,
             "--http-port", str(router.http_port), "--grpc-port", str(router.grpc_port), *args,
@@ -161,25 +233,20 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cli", *args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=os.environ | {"TOKENIZERS_PARALLELISM": "false"},
-                # Own session: Ctrl-C reaches only the launcher, which stops the cluster in
-                # order; the children still die with the launcher if it is killed.
-                start_new_session=True, preexec_fn=_die_with_parent,
-            )  # fmt: skip
-        self.children.append(Child(name, args[0], process, log_path))
+        self.children.append(Child(name, args[0], args, _popen(args, log_path, "wb"), log_path))
 
-    def _wait_ready(self, routers: list[RouterEndpoint]) -> None:
+    def _all_registered(self) -> bool:
         registry = Registry(self.redis_url)
         wanted: dict[Role, int] = {"prefill": self.spec.num_prefill, "decode": self.spec.num_decode}
+        return all(len(registry.workers(r)) >= n for r, n in wanted.items())
+
+    def _wait_ready(
+        self, routers: list[RouterEndpoint], children: list[Child], ready: Callable[[], bool]
+    ) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while True:
-            self.check_alive()
-            registered = all(len(registry.workers(r)) >= n for r, n in wanted.items())
-            if registered and all(router.is_healthy() for router in routers):
+            _check_alive(children)
+            if ready() and all(router.is_healthy() for router in routers):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -189,17 +256,94 @@ class LocalCluster:
             time.sleep(0.2)
 
     def check_alive(self) -> None:
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise ChildExited(
-                    f"{child.name} exited with code {code}; the end of {child.log_path}:\n"
-                    f"{child.log_tail()}"
-                )
+        """Raises ChildExited for the first child that has exited (start-up's check)."""
+        with self._lock:
+            _check_alive(self.children)
 
+    # ---- supervision ------------------------------------------------------------------------
+    def watch(self, report: Report) -> None:
+        """Supervises the started cluster in a background thread until stop(): a child or Redis
+        that dies is reported (exit code, log tail) and started again after its backoff; the
+        others keep serving. A restarted worker registers itself again (same worker id), and
+        after a Redis restart every worker's heartbeat writes its entry back."""
+        assert self._supervisor is None, "watch() once"
+        self._supervisor = threading.Thread(
+            target=self._supervise_until_stopped, args=(report,), name="supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    def _supervise_until_stopped(self, report: Report) -> None:
+        while not self._supervisor_stop.wait(SUPERVISE_EVERY_S):
+            try:
+                self.supervise(report)
+            except Exception as e:  # a supervisor that dies would leave the next death unseen
+                report(f"supervisor error (retrying): {e!r}")
+
+    def supervise(self, report: Report) -> None:
+        """One pass: notice deaths, restart what is due."""
+        with self._lock:
+            if self._stopping:
+                return
+            now_s = time.monotonic()
+            self._supervise_redis(report, now_s)
+            for child in self.children:
+                self._supervise_child(child, report, now_s)
+
+    def _supervise_child(self, child: Child, report: Report, now_s: float) -> None:
+        restarts, policy = child.restarts, self.spec.restart
+        if restarts.due_s is None:
+            code = child.process.poll()
+            if code is None:
+                return
+            uptime_s = now_s - restarts.started_s
+            delay_s = restarts.schedule(policy, now_s)
+            tail = textwrap.indent(child.log_tail(20), "    ")
+            report(
+                f"{child.name} (pid {child.process.pid}) exited with {_describe_exit(code)} after "
+                f"{uptime_s:.0f} s; restart #{restarts.num_restarts + 1} in {delay_s:.0f} s. "
+                f"The end of {child.log_path}:\n{tail}"
+            )
+        elif now_s >= restarts.due_s:
+            child.process = _popen(child.args, child.log_path, "ab")
+            restarts.restarted(now_s)
+            report(f"{child.name} restarted (pid {child.process.pid}, "
+                   f"restart #{restarts.num_restarts})")  # fmt: skip
+
+    def _supervise_redis(self, report: Report, now_s: float) -> None:
+        """Redis comes back on its port: every child was given its URL."""
+        redis, restarts, policy = self.redis, self.redis_restarts, self.spec.restart
+        if redis is None:
+            return
+        if restarts.due_s is None:
+            code = redis.process.poll()
+            if code is None:
+                return
+            delay_s = restarts.schedule(policy, now_s)
+            report(f"redis (pid {redis.process.pid}, port {redis.port}) exited with "
+                   f"{_describe_exit(code)}; restart #{restarts.num_restarts + 1} in "
+                   f"{delay_s:.0f} s")  # fmt: skip
+        elif now_s >= restarts.due_s:
+            redis.stop()  # its temporary directory; the process is gone
+            try:
+                self.redis = RedisServer(host=redis.host, port=redis.port)
+            except (RuntimeError, OSError) as e:  # the port still taken: try again later
+                restarts.started_s = now_s  # a failed start counts as a quick death
+                delay_s = restarts.schedule(policy, now_s)
+                report(f"redis did not start on port {redis.port}: {e}; retrying in "
+                       f"{delay_s:.0f} s")  # fmt: skip
+                return  # self.redis stays the dead one: the next pass retries when due
+            restarts.restarted(now_s)
+            report(
+                f"redis restarted on port {redis.port} (pid {self.redis.process.pid}, "
+                f"restart #{restarts.num_restarts}); workers re-register on their heartbeat"
+            )
+
+    # ---- stopping ---------------------------------------------------------------------------
     def stop(self) -> None:
         """The router first (no new work), then decode workers (they drain, which may need
-        prefill), then prefill workers, then Redis."""
+        prefill), then prefill workers, then Redis. Nothing is restarted from here on."""
+        with self._lock:
+            self._stopping = True
         for role in ("router", "decode", "prefill"):
             group = [c for c in self.children if c.role == role]
             for child in group:
@@ -207,6 +351,11 @@ class LocalCluster:
                     child.process.send_signal(signal.SIGTERM)
             for child in group:
                 _wait_or_kill(child.process, WORKER_DRAIN_GRACE_S + 15)
+        # The supervisor thread ends only now: children it started get SIGTERM (PDEATHSIG)
+        # when the thread that forked them exits, which must not come before their turn.
+        self._supervisor_stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         self.children.clear()
         if self.redis is not None:
             self.redis.stop()
@@ -230,12 +379,14 @@ class LocalCluster:
             f"  logs        {self.log_dir}",
             "Try:",
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            "A process that dies is restarted (its log says why).",
             "Ctrl-C stops everything.",
         ])  # fmt: skip
 
 
-def run_until_signalled(cluster: LocalCluster, echo: Callable[[str], None]) -> int:
-    """`pdserve up`: start, print the banner, serve until Ctrl-C/SIGTERM or a child dies."""
+def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
+    """`pdserve up`: start, print the banner, serve (restarting children that die) until
+    Ctrl-C or SIGTERM, then stop everything. Non-zero only when start-up failed."""
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
@@ -247,9 +398,9 @@ def run_until_signalled(cluster: LocalCluster, echo: Callable[[str], None]) -> i
     try:
         cluster.start()
         echo(cluster.banner())
+        cluster.watch(echo)
         while True:
-            cluster.check_alive()
-            time.sleep(0.5)
+            time.sleep(3600)  # the signal handler ends the wait
     except KeyboardInterrupt:
         echo("stopping the cluster...")
     except (ChildExited, TimeoutError) as e:
@@ -261,6 +412,42 @@ def run_until_signalled(cluster: LocalCluster, echo: Callable[[str], None]) -> i
         cluster.stop()
     echo("stopped.")
     return code
+
+
+def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes]:
+    """`pdserve ARGS` with its output in log_path ("ab" on a restart: the dead run's log stays
+    above the new one's)."""
+    with log_path.open(mode) as log:
+        if mode == "ab":
+            log.write(b"\n---- restarted by the pdserve launcher ----\n")
+            log.flush()
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *args],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=os.environ | {"TOKENIZERS_PARALLELISM": "false"},
+            # Own session: Ctrl-C reaches only the launcher, which stops the cluster in
+            # order; the children still die with the launcher if it is killed.
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+
+
+def _check_alive(children: list[Child]) -> None:
+    for child in children:
+        code = child.process.poll()
+        if code is not None:
+            raise ChildExited(
+                f"{child.name} exited with {_describe_exit(code)}; the end of "
+                f"{child.log_path}:\n{child.log_tail()}"
+            )
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
 
 
 def _wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float) -> None:

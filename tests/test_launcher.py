@@ -1,0 +1,237 @@
+"""`pdserve up` as a supervisor: a killed worker or Redis is restarted while the rest keeps
+serving, SIGTERM stops every child, and a crash loop backs off up to its cap."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from engine import SamplingParams
+from pdserve.launcher import RestartPolicy, Restarts
+from pdserve.redis_server import free_port
+from pdserve.registry import Registry
+
+PROMPT_IDS = [(37 * i) % 3000 + 200 for i in range(48)]
+MAX_TOKENS = 6
+WAIT_S = 240.0  # model loads on two busy cores: generous, never a timing assertion
+
+
+@dataclass
+class Up:
+    """A running `pdserve up` and everything it printed so far."""
+
+    process: subprocess.Popen[str]
+    http_url: str
+    redis_url: str
+    lines: list[str] = field(default_factory=list)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def children(self) -> dict[str, int]:
+        """Child name (worker id, "router", "redis") -> pid, from /proc."""
+        found = {}
+        for pid, cmdline in _children_of(self.process.pid):
+            if "pdserve.cli" in cmdline:
+                name = cmdline[cmdline.index("--worker-id") + 1] if "--worker-id" in cmdline else (
+                    cmdline[cmdline.index("pdserve.cli") + 1]
+                )  # fmt: skip
+                found[name] = pid
+            elif Path(cmdline[0]).name.startswith(("redis-server", "valkey-server")):
+                found["redis"] = pid
+        return found
+
+    def complete(self) -> tuple[int, dict]:
+        body = {"prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        request = urllib.request.Request(
+            f"{self.http_url}/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+
+def _children_of(parent: int) -> list[tuple[int, list[str]]]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode().split("\0")
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == parent and state != "Z":
+            children.append((int(entry.name), cmdline))
+    return children
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s:.0f} s: {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def expected_text(llm) -> str:
+    """The single-process engine's completion, before the cluster takes the cores."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return llm.generate([PROMPT_IDS], params)[0].text
+
+
+@pytest.fixture(scope="module")
+def up(expected_text: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """Two prefill workers (one can be killed while the other serves) and one decode worker."""
+    http_port = free_port()
+    command = [
+        sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "1",
+        "--http-port", str(http_port), "--grpc-port", str(free_port()), "--no-warmup",
+        "--kv-backend", "tcp", "--cores", "2", "--restart-backoff-s", "0.5",
+        "--log-dir", str(tmp_path_factory.mktemp("pdserve-up")),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)  # fmt: skip
+    lines: list[str] = []
+    banner_done = threading.Event()
+
+    def read() -> None:  # keeps the pipe drained for as long as `up` runs
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                banner_done.set()
+        banner_done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    banner_done.wait(timeout=600)
+    text = "".join(lines)
+    assert "pdserve is up" in text, text
+    redis_url = re.search(r"Redis\s+(\S+)", text).group(1)
+    yield Up(process, f"http://127.0.0.1:{http_port}", redis_url, lines)
+    if process.poll() is None:  # a test failed before the SIGTERM test
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+
+
+def registered(up: Up) -> dict[str, str]:
+    """worker id -> gRPC address, as the registry has them now."""
+    registry = Registry(up.redis_url)
+    try:
+        return {w.worker_id: w.address for r in ("prefill", "decode") for w in registry.workers(r)}
+    except Exception:  # Redis restarting
+        return {}
+
+
+def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expected_text):
+    before = up.children()
+    assert set(before) == {"redis", "router", "prefill-0", "prefill-1", "decode-0"}
+    old_address = registered(up)["prefill-0"]
+    os.kill(before["prefill-0"], signal.SIGKILL)
+
+    # Sent while prefill-0 is down (its registry entry may still name it): the decode worker
+    # retries on prefill-1, or the router picks prefill-1 at once.
+    status, body = up.complete()
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text
+
+    wait_until(lambda: up.children().get("prefill-0", before["prefill-0"]) != before["prefill-0"],
+               "prefill-0 started again")  # fmt: skip
+    wait_until(lambda: registered(up).get("prefill-0") not in (None, old_address),
+               "the new prefill-0 registered")  # fmt: skip
+    after = up.children()
+    assert {n: p for n, p in after.items() if n != "prefill-0"} == {
+        n: p for n, p in before.items() if n != "prefill-0"
+    }  # the others kept running
+    output = up.output()
+    assert f"prefill-0 (pid {before['prefill-0']}) exited with code -9 (SIGKILL)" in output
+    assert f"prefill-0 restarted (pid {after['prefill-0']}, restart #1)" in output
+    status, body = up.complete()
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text
+
+
+def test_a_killed_redis_is_restarted_on_its_port_and_the_workers_register_again(up, expected_text):
+    before = up.children()
+    os.kill(before["redis"], signal.SIGKILL)
+    wait_until(lambda: up.children().get("redis", before["redis"]) != before["redis"],
+               "redis started again")  # fmt: skip
+    wait_until(lambda: set(registered(up)) == {"prefill-0", "prefill-1", "decode-0"},
+               "every worker registered in the new Redis")  # fmt: skip
+    port = up.redis_url.rsplit(":", 1)[1].split("/")[0]
+    assert f"redis restarted on port {port}" in up.output()
+    assert {n: p for n, p in up.children().items() if n != "redis"} == {
+        n: p for n, p in before.items() if n != "redis"
+    }
+    # The router follows the registry again: wait for it to see both pools, then serve.
+    wait_until(lambda: _router_healthy(up), "the router sees the workers")
+    status, body = up.complete()
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text
+
+
+def test_sigterm_to_the_launcher_stops_every_child(up):
+    pids = up.children()
+    assert len(pids) == 5
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(timeout=120) == 0
+    wait_until(lambda: up.output().rstrip().endswith("stopped."), "the last line", 10)
+    assert "exited with" not in up.output().split("stopping the cluster...")[1]  # no restarts
+    assert [name for name, pid in pids.items() if _is_alive(pid)] == []
+
+
+def _router_healthy(up: Up) -> bool:
+    try:
+        with urllib.request.urlopen(f"{up.http_url}/health", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+POLICY = RestartPolicy(backoff_s=1.0, max_backoff_s=30.0, stable_after_s=60.0)
+
+
+@pytest.mark.parametrize(
+    ("uptimes_s", "delays_s"),
+    [
+        ([5], [1]),  # the first death: the base delay
+        ([5, 5, 5, 5, 5, 5, 5], [1, 2, 4, 8, 16, 30, 30]),  # a crash loop, capped
+        ([5, 5, 5, 120], [1, 2, 4, 1]),  # a run that lasted resets the backoff
+        ([120, 120], [1, 1]),
+    ],
+)
+def test_restart_backoff_doubles_in_a_crash_loop_up_to_its_cap(uptimes_s, delays_s):
+    restarts, now_s, delays = Restarts(started_s=0.0), 0.0, []
+    for uptime_s in uptimes_s:
+        now_s += uptime_s
+        delays.append(restarts.schedule(POLICY, now_s))
+        now_s = restarts.due_s
+        restarts.restarted(now_s)
+    assert delays == delays_s
+    assert restarts.num_restarts == len(uptimes_s)
