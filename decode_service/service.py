@@ -1,9 +1,16 @@
 """The decode worker's Generate RPC: reserve KV blocks, have a prefill worker fill them (retrying
-once elsewhere), then stream tokens from the continuous batch."""
+once elsewhere), then stream tokens from the continuous batch.
+
+Blocks reserved for a remote prefill are freed only once their writer is fenced: a request
+that ends during its prefill (the client went away, a deadline, a failed attempt) first cancels
+the Prefill call and stops the KV transfer, and blocks whose writer did not confirm go to the
+quarantine instead of back to the pool.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -13,11 +20,14 @@ import grpc
 
 import kvtransfer
 from decode_service import metrics
+from decode_service.quarantine import Quarantine
 from engine import InvalidRequestError, SamplingParams
+from engine.engine_loop import EngineDiedError
 from engine.request import Request, StepOutput
 from pdserve import wire
 from pdserve.tls import open_channel
 from pdserve.v1 import generation_pb2 as pb
+from pdserve.wire import CallerGoneError, DeadlineExceededError, PrefillFailedError
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
@@ -27,56 +37,125 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class DecodeSettings:
-    prefill_timeout_s: float = 60.0  # one Prefill RPC, KV landing included
+    # The prefill phase's budget, every attempt and the KV landing included, within the
+    # request's own gRPC deadline.
+    prefill_timeout_s: float = 60.0
     max_prefill_attempts: int = 2  # the router's pick, then one other prefill worker
     local_prefill_fallback: bool = False  # prefill here when no prefill worker succeeds
 
 
-class PrefillFailedError(RuntimeError):
-    pass
+class AttemptFailedError(RuntimeError):
+    """One prefill attempt failed in a way another prefill worker may not."""
+
+
+class PrefillWatch:
+    """The prefill phase of one request, which other threads may end early: the client went
+    away (CallerGoneError) or the engine died (EngineDiedError). Once decoding has begun,
+    the engine owns the request and ends it itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self._decoding = False
+        self.interruption: Exception | None = None
+
+    def interrupt(self, reason: Exception) -> bool:
+        """Ends the prefill phase; False when decoding has already begun."""
+        with self._lock:
+            if self._decoding:
+                return False
+            self.interruption = self.interruption or reason
+            call = self._call
+        if call is not None:
+            call.cancel()
+        return True
+
+    def call(self, future: grpc.Future, timeout_s: float) -> wpb.PrefillResponse:
+        with self._lock:
+            self._call = future
+            interrupted = self.interruption is not None
+        if interrupted:
+            future.cancel()
+        try:
+            return future.result(timeout=timeout_s)
+        except grpc.FutureCancelledError:
+            raise self.interruption or CallerGoneError("the prefill call was cancelled") from None
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            message = f"prefill did not finish within {timeout_s:.1f} s"
+            raise DeadlineExceededError(message) from None
+        finally:
+            with self._lock:
+                self._call = None
+
+    def begin_decoding(self) -> None:
+        with self._lock:
+            if self.interruption is not None:
+                raise self.interruption
+            self._decoding = True
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer):
     def __init__(self, runtime: WorkerRuntime, settings: DecodeSettings | None = None) -> None:
         self.runtime = runtime
         self.engine = runtime.engine
+        self.loop = runtime.loop
         self.settings = settings or DecodeSettings()
         self.block_size = runtime.settings.engine.block_size
+        self.quarantine = Quarantine(
+            lambda ids: self.loop.post(lambda: self.engine.release_quarantined(ids))
+        )
         self._channels: dict[str, worker_pb2_grpc.PrefillStub] = {}
-        self._channels_lock = threading.Lock()
+        self._watches: dict[str, PrefillWatch] = {}
+        self._lock = threading.Lock()
+        runtime.death_hooks.append(self._on_engine_death)
 
     def Generate(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
-        with self.runtime.serving(context):
-            yield from self._generate(request, context)
+        with self.runtime.serving(context), wire.statuses(context):
+            rid = request.request_id or uuid.uuid4().hex
+            watch = PrefillWatch()
+            with self._lock:
+                self._watches[rid] = watch
+            try:
+                yield from self._generate(rid, request, context, watch)
+            finally:
+                with self._lock:
+                    self._watches.pop(rid, None)
 
-    def _generate(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
-        rid = request.request_id or uuid.uuid4().hex
+    def _generate(
+        self, rid: str, request: wpb.DecodeRequest, context: grpc.ServicerContext,
+        watch: PrefillWatch,
+    ):  # fmt: skip
         prompt = list(request.prompt_token_ids)
-        params = wire.call_or_abort(context, lambda: wire.sampling_params(request.params))
-        loop = self.runtime.loop
-        reserved: Request = wire.call_or_abort(
-            context,
-            lambda: loop.call(lambda: self.engine.reserve_for_remote_prefill(rid, prompt, params)),
+        params = wire.sampling_params(request.params)
+        remaining_s = context.time_remaining()
+        deadline_s = time.monotonic() + min(
+            math.inf if remaining_s is None else remaining_s, self.settings.prefill_timeout_s
         )
-        finished = False
-        context.add_callback(lambda: finished or loop.abort(rid))  # client went away
+        loop = self.loop
+        reserved = loop.call(lambda: self.engine.reserve_for_remote_prefill(rid, prompt, params))
+        # Runs when the call ends for any reason: in the prefill phase it only interrupts (the
+        # handler fences, then frees); once decoding, the engine aborts (a no-op if finished).
+        context.add_callback(
+            lambda: watch.interrupt(CallerGoneError("the caller went away")) or loop.abort(rid)
+        )
         bucket = self.runtime.settings.length_buckets.of(len(prompt))
         started = time.monotonic()
+        finished = False
         try:
             prefill: wpb.PrefillResponse | None = None
             try:
-                prefill = self._remote_prefill(rid, prompt, params, reserved, request)
-            except InvalidRequestError as e:
-                metrics.REQUESTS.labels("invalid").inc()
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                prefill = self._remote_prefill(rid, reserved, request, params, watch, deadline_s)
             except PrefillFailedError as e:
                 if not self.settings.local_prefill_fallback:
                     metrics.REQUESTS.labels("prefill_failed").inc()
-                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                    raise
                 log.warning("%s: %s; prefilling locally", rid, e)
+                watch.begin_decoding()
                 first, stream = None, loop.call(lambda: self._restart_locally(rid, prompt, params))
             else:
                 metrics.PREFILL_SECONDS.labels(bucket).observe(time.monotonic() - started)
+                watch.begin_decoding()
                 first, stream = loop.call(lambda: self._commit(rid, prefill))
             ttft_sent = False
             for output in _chain(first, stream):
@@ -89,6 +168,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                     message.usage.CopyFrom(self._usage(reserved, prefill))
                 yield message
             metrics.REQUESTS.labels("ok").inc()
+        except InvalidRequestError:
+            metrics.REQUESTS.labels("invalid").inc()
+            raise
         finally:
             if not finished:
                 loop.abort(rid)
@@ -96,60 +178,103 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     def _commit(self, rid: str, prefill: wpb.PrefillResponse):
         """Engine thread: the first token joins, and later tokens flow into a new stream (no
         step can run in between, so none is missed)."""
+        if rid not in self.engine.requests:  # aborted after its KV landed
+            raise CallerGoneError("the caller went away")
         first = self.engine.commit_remote_prefill(
             rid, prefill.first_token_id, prefill.sampler_state
         )
-        return first, None if first.finished else self.runtime.loop.open_stream(rid)
+        return first, None if first.finished else self.loop.open_stream(rid)
 
     def _restart_locally(self, rid: str, prompt: list[int], params: SamplingParams):
         self.engine.abort_request(rid)
         self.engine.add_request(rid, prompt, params)
-        return self.runtime.loop.open_stream(rid)
+        return self.loop.open_stream(rid)
 
     def _remote_prefill(
-        self, rid: str, prompt: list[int], params: SamplingParams, reserved: Request,
-        request: wpb.DecodeRequest,
+        self, rid: str, reserved: Request, request: wpb.DecodeRequest, params: SamplingParams,
+        watch: PrefillWatch, deadline_s: float,
     ) -> wpb.PrefillResponse:  # fmt: skip
+        """Asks prefill workers in turn to fill the reserved blocks, each attempt under a fresh
+        transfer id (bytes still in flight from a failed attempt can never count for the
+        next); every failed attempt is fenced before the next starts or the request ends."""
         num_cached_blocks = reserved.num_cached_tokens // self.block_size
-        dst = list(reserved.block_ids)
         message = wpb.PrefillRequest(
-            prompt_token_ids=prompt,
+            prompt_token_ids=reserved.prompt_token_ids,
             params=wire.sampling_proto(params),
             kv_destination=wpb.KVDestination(
                 agent_metadata=self.runtime.kv_agent.metadata(),
-                block_ids=dst,
                 num_cached_blocks=num_cached_blocks,
             ),
         )
-        agent = self.runtime.kv_agent
+        targets = self._prefill_targets(request.prefill_address)
         errors = []
-        for attempt, address in enumerate(self._prefill_targets(request.prefill_address)):
-            # A fresh transfer id per attempt: bytes still in flight from a failed attempt can
-            # never be mistaken for the retry's.
+        for attempt, address in enumerate(targets):
             transfer_id = f"{rid}/{attempt}"
+            dst = list(reserved.block_ids)  # fresh blocks after an unfenced attempt
             message.request_id = transfer_id
-            agent.expect(transfer_id, dst[num_cached_blocks:])
+            message.kv_destination.ClearField("block_ids")
+            message.kv_destination.block_ids.extend(dst)
+            self.runtime.kv_agent.expect(transfer_id, dst[num_cached_blocks:])
             try:
-                response = self._stub(address).Prefill(
-                    message, timeout=self.settings.prefill_timeout_s
-                )
-                agent.wait(transfer_id, self.settings.prefill_timeout_s)
+                response = self._attempt(address, message, watch, deadline_s)
                 metrics.PREFILL_ATTEMPTS.labels("ok").inc()
                 return response
-            except grpc.RpcError as e:
-                agent.cancel(transfer_id)
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    # The request itself is bad: another worker would say the same.
-                    raise InvalidRequestError(f"prefill rejected the request: {e.details()}") from e
-                errors.append(f"{address}: {e.code().name} {e.details()}")
-            except kvtransfer.KVTransferError as e:
-                agent.cancel(transfer_id)
+            except AttemptFailedError as e:
                 errors.append(f"{address}: {e}")
-            metrics.PREFILL_ATTEMPTS.labels("failed").inc()
-            log.warning("%s: prefill on %s failed: %s", rid, address, errors[-1])
+                metrics.PREFILL_ATTEMPTS.labels("failed").inc()
+                log.warning("%s: prefill on %s failed: %s", rid, address, e)
+                retrying = attempt + 1 < len(targets) and time.monotonic() < deadline_s
+                self._fence(rid, transfer_id, address, retrying)
+            except BaseException:
+                self._fence(rid, transfer_id, address, retrying=False)
+                raise
+        if time.monotonic() >= deadline_s:
+            raise DeadlineExceededError("prefill deadline passed: " + "; ".join(errors))
         raise PrefillFailedError(
             "prefill failed on every worker tried: " + "; ".join(errors or ["no prefill worker"])
         )
+
+    def _attempt(
+        self, address: str, message: wpb.PrefillRequest, watch: PrefillWatch, deadline_s: float
+    ) -> wpb.PrefillResponse:
+        remaining_s = deadline_s - time.monotonic()
+        if remaining_s <= 0:
+            raise DeadlineExceededError("prefill deadline passed before an attempt could start")
+        try:
+            future = self._stub(address).Prefill.future(message, timeout=remaining_s)
+            response = watch.call(future, remaining_s)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:  # another worker would say the same
+                raise InvalidRequestError(f"prefill rejected the request: {e.details()}") from e
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceededError(f"prefill on {address}: {e.details()}") from e
+            raise AttemptFailedError(f"{code.name} {e.details()}") from e
+        try:
+            self.runtime.kv_agent.wait(message.request_id, max(0.0, deadline_s - time.monotonic()))
+        except kvtransfer.KVTransferError as e:
+            raise AttemptFailedError(str(e)) from e
+        return response
+
+    def _fence(self, rid: str, transfer_id: str, address: str, retrying: bool) -> None:
+        """After a failed attempt: stop its writer; blocks it may still write into are
+        quarantined (replaced by fresh ones when another attempt follows)."""
+        if self.loop.error is not None:
+            return  # the engine is gone, and this process with it
+        fence = self.runtime.kv_agent.cancel(transfer_id)
+        if fence.is_done():
+            return
+        if retrying:
+            unfenced = self.loop.call(lambda: self.engine.replace_remote_blocks(rid))
+        else:
+            unfenced = self.loop.call(lambda: self.engine.abort_remote_prefill(rid, False))
+        self.quarantine.add(unfenced, fence, address)
+
+    def _on_engine_death(self, error: BaseException) -> None:
+        with self._lock:
+            watches = list(self._watches.values())
+        for watch in watches:
+            watch.interrupt(error if isinstance(error, EngineDiedError) else EngineDiedError(error))
 
     def _prefill_targets(self, preferred: str) -> list[str]:
         """The router's pick first, then the least-loaded others from the registry."""
@@ -165,7 +290,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         return targets[: self.settings.max_prefill_attempts]
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillStub:
-        with self._channels_lock:
+        with self._lock:
             if address not in self._channels:
                 channel = open_channel(address, self.runtime.settings.tls)
                 self._channels[address] = worker_pb2_grpc.PrefillStub(channel)

@@ -2,6 +2,7 @@
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import (
+    EngineBusyError,
     EngineError,
     InsufficientKVError,
     InvalidRequestError,
@@ -15,6 +16,7 @@ from engine.sampling import SamplingParams
 
 __all__ = [
     "LLM",
+    "EngineBusyError",
     "EngineConfig",
     "EngineError",
     "EngineStats",

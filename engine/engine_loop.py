@@ -7,6 +7,7 @@ outputs are routed to one queue per request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -23,7 +24,11 @@ T = TypeVar("T")
 
 
 class EngineStoppedError(RuntimeError):
-    pass
+    """The engine loop is stopped (shutting down): retry elsewhere."""
+
+
+class EngineDiedError(EngineStoppedError):
+    """The engine thread died of an unexpected error: its state can no longer be trusted."""
 
 
 class RequestStream:
@@ -51,16 +56,36 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[float, int], None] | None = None):
+    """Commands are (fn, future) pairs: a future is set by the engine thread, or failed when the
+    loop ends, so no caller of call() ever waits on a loop that is gone.
+
+    An exception that escapes a step or a posted command kills the loop (its state is no longer
+    known to be sound): every open stream and queued call fails with EngineDiedError, and
+    on_death tells the worker, which must stop serving and exit.
+    """
+
+    def __init__(
+        self, engine: LLMEngine, on_step: Callable[[float, int], None] | None = None,
+        on_death: Callable[[EngineDiedError], None] | None = None,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.on_step = on_step  # (step seconds, batch size) for the worker's metrics
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.on_death = on_death
+        self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
+        self._ended: EngineStoppedError | None = None  # set once, when the loop is over
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # A snapshot taken on the engine thread: other threads (heartbeat, metrics) read this,
         # never the scheduler's queues while they change.
         self.stats: EngineStats = engine.stats()
+
+    @property
+    def error(self) -> EngineStoppedError | None:
+        """Why the loop is over (EngineDiedError when it died), or None while it runs."""
+        return self._ended
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -68,27 +93,28 @@ class EngineLoop:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._commands.put(lambda: None)  # wake the loop
-        self._thread.join(timeout=30)
+        self._commands.put((lambda: None, None))  # wake the loop
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Runs fn on the engine thread between steps and returns its result (or raises)."""
-        if self._stopped.is_set():
-            raise EngineStoppedError("engine loop is stopped")
         future: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to the caller's thread
-                future.set_exception(e)
-
-        self._commands.put(run)
+        self._put(fn, future)
         return future.result()
 
     def post(self, fn: Callable[[], None]) -> None:
         """Runs fn on the engine thread without waiting (aborts, releases)."""
-        self._commands.put(fn)
+        self._put(fn, None)
+
+    def _put(self, fn: Callable[[], object], future: Future | None) -> None:
+        if self._ended is not None:
+            raise self._ended
+        self._commands.put((fn, future))
+        # The loop drains the queue only after setting _ended: if it is still unset here, the
+        # drain is yet to come and will see this command.
+        if self._ended is not None:
+            raise self._ended
 
     def open_stream(self, request_id: str) -> RequestStream:
         """Call on the engine thread (inside call()) when a request enters the engine."""
@@ -105,40 +131,67 @@ class EngineLoop:
             if stream is not None:
                 stream.put(StepOutput(request_id, [], "", 0, True, "abort"))
 
-        self.post(run)
+        with contextlib.suppress(EngineStoppedError):  # nothing is left to abort
+            self.post(run)
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            busy = self.engine.has_unfinished_requests()
-            try:
-                command = self._commands.get(block=not busy, timeout=None if busy else 0.5)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                command()
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if self.engine.has_unfinished_requests():
-                self._step()  # refreshes the stats itself, before on_step reads them
+        try:
+            was_busy = False
+            while not self._stopped.is_set():
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                    was_busy = True
+                else:
+                    if was_busy:  # cheap, and a corrupt pool must never serve another request
+                        self.engine.pool.check_integrity()
+                        was_busy = False
+                    self.stats = self.engine.stats()
+        except BaseException as e:  # anything escaping here leaves the engine unsound
+            log.exception("engine thread died")
+            died = EngineDiedError(f"the engine thread died: {type(e).__name__}: {e}")
+            self._end(died)
+            if self.on_death is not None:
+                self.on_death(died)
+        else:
+            self._end(EngineStoppedError("engine loop is stopped"))
+
+    def _run_commands(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        try:
+            item = self._commands.get(block=not busy, timeout=None if busy else 0.5)
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            if future is None:
+                fn()  # a posted command that raises kills the loop
             else:
-                self.stats = self.engine.stats()
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # handed to the caller's thread
+                    future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _end(self, error: EngineStoppedError) -> None:
+        self._ended = error
         for stream in self._streams.values():
-            stream.put(EngineStoppedError("engine loop stopped"))
+            stream.put(error)
+        self._streams.clear()
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None:
+                future.set_exception(error)
 
     def _step(self) -> None:
         start = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # a bug must not hang every client: fail what was running
-            log.exception("engine step failed")
-            for request_id, stream in list(self._streams.items()):
-                stream.put(e)
-                self.engine.abort_request(request_id)
-            self._streams.clear()
-            self.stats = self.engine.stats()
-            return
+        outputs = self.engine.step()
         self.stats = self.engine.stats()
         if self.on_step is not None:
             self.on_step(time.perf_counter() - start, len(outputs))

@@ -30,8 +30,12 @@ class UnknownModelError(EngineError):
         self.name = name
 
 
-class InsufficientKVError(EngineError):
-    """The decode pool cannot hold this prompt right now (a retryable, load-related error)."""
+class EngineBusyError(EngineError):
+    """The engine cannot take more work right now (a retryable, load-related error)."""
+
+
+class InsufficientKVError(EngineBusyError):
+    """The decode pool cannot hold this prompt right now."""
 
     def __init__(self, num_needed: int, num_free: int) -> None:
         super().__init__(f"prompt needs {num_needed} KV blocks, {num_free} free")

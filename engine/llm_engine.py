@@ -11,7 +11,12 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import InsufficientKVError, InvalidRequestError, PromptTooLongError
+from engine.errors import (
+    EngineBusyError,
+    InsufficientKVError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner, ScheduledRequest
@@ -32,6 +37,7 @@ class EngineStats:
     num_waiting_requests: int
     num_free_blocks: int
     num_blocks: int
+    num_quarantined_blocks: int
     prefix_hit_rate: float
     prefill_tokens_per_s: float
 
@@ -123,17 +129,66 @@ class LLMEngine:
     ) -> Request:
         """Allocates blocks for a prompt whose KV another worker computes. Blocks already in the
         prefix cache are reused; the rest (request.block_ids[num_cached // block_size:]) must
-        be written by the sender before commit_remote_prefill."""
+        be written by the sender before commit_remote_prefill. Refuses (EngineBusyError) what
+        the scheduler would not admit either: past max_num_seqs, or past the watermark."""
+        num_seqs = len(self.scheduler.running) + self._num_awaiting_kv()
+        if num_seqs >= self.config.max_num_seqs:
+            raise EngineBusyError(
+                f"{num_seqs} requests are running or awaiting KV; max_num_seqs is "
+                f"{self.config.max_num_seqs}"
+            )
         request = self.make_request(request_id, prompt, params)
         request.num_cached_tokens = self.kv.match_prefix(request)
+        num_new_blocks = self.kv.num_new_blocks_needed(request, request.num_prompt_tokens)
+        limit = int(self.config.watermark * self.pool.num_blocks)
+        if num_seqs > 0 and self.pool.num_used_blocks + num_new_blocks > limit:
+            self.kv.free(request)
+            raise EngineBusyError(
+                f"prompt needs {num_new_blocks} KV blocks; {self.pool.num_used_blocks} of "
+                f"{self.pool.num_blocks} are in use and new work may fill {limit} (watermark "
+                f"{self.config.watermark})"
+            )
         if not self.kv.allocate_slots(request, request.num_prompt_tokens):
             self.kv.free(request)
-            raise InsufficientKVError(
-                self.kv.num_blocks_for(request.num_prompt_tokens), self.pool.num_free_blocks
-            )
+            raise InsufficientKVError(num_new_blocks, self.pool.num_free_blocks)
         request.status = "awaiting_kv"
         self.requests[request_id] = request
         return request
+
+    def replace_remote_blocks(self, request_id: str) -> list[int]:
+        """Before a retry whose previous writer could not be fenced: quarantines the blocks it
+        may still write into and gives the request fresh ones; returns the quarantined ids."""
+        request = self.requests[request_id]
+        assert request.status == "awaiting_kv", request.status
+        num_cached_blocks = request.num_cached_tokens // self.config.block_size
+        unfenced = request.block_ids[num_cached_blocks:]
+        if len(unfenced) > self.pool.num_free_blocks:
+            raise InsufficientKVError(len(unfenced), self.pool.num_free_blocks)
+        request.block_ids[num_cached_blocks:] = self.pool.allocate(len(unfenced))
+        self.pool.quarantine(unfenced)
+        return unfenced
+
+    def abort_remote_prefill(self, request_id: str, writer_fenced: bool) -> list[int]:
+        """Ends a request awaiting remote KV. Unless its writer was fenced, the blocks it may
+        still write into are quarantined rather than freed; returns their ids."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != "awaiting_kv":
+            self.abort_request(request_id)
+            return []
+        quarantined: list[int] = []
+        if not writer_fenced:
+            num_cached_blocks = request.num_cached_tokens // self.config.block_size
+            quarantined = request.block_ids[num_cached_blocks:]
+            request.block_ids = request.block_ids[:num_cached_blocks]
+            self.pool.quarantine(quarantined)
+        self._finish(request, "abort")
+        return quarantined
+
+    def release_quarantined(self, block_ids: list[int]) -> None:
+        self.pool.release_quarantined(block_ids)
+
+    def _num_awaiting_kv(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == "awaiting_kv")
 
     def commit_remote_prefill(
         self, request_id: str, first_token_id: int, sampler_state: bytes = b""
@@ -228,6 +283,7 @@ class LLMEngine:
             num_waiting_requests=len(self.scheduler.waiting),
             num_free_blocks=self.pool.num_free_blocks,
             num_blocks=self.pool.num_blocks,
+            num_quarantined_blocks=len(self.pool.quarantined),
             prefix_hit_rate=self.kv.stats.hit_rate,
             prefill_tokens_per_s=self._prefill_tokens_per_s,
         )

@@ -19,7 +19,7 @@ from prometheus_client import Gauge, Histogram, start_http_server
 
 import kvtransfer
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineDiedError, EngineLoop
 from pdserve.lengths import LengthBuckets
 from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
 from pdserve.tls import TLSFiles, server_credentials
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "Free KV cache blocks")
 KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use")
 KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+KV_BLOCKS_QUARANTINED = Gauge(
+    "pdserve_kv_blocks_quarantined",
+    "KV blocks held out of use because a remote writer did not confirm it stopped",
+)
 PREFILL_QUEUED_TOKENS = Gauge(
     "pdserve_prefill_queued_tokens", "Prompt tokens waiting for or in prefill (prefill workers)"
 )
@@ -55,6 +59,9 @@ class WorkerSettings:
     kv_backend: kvtransfer.Backend = "auto"
     registry_ttl_s: float = 6.0
     drain_grace_s: float = 30.0
+    # Requests in flight at once (RPCs other than health and reflection); past it a caller gets
+    # RESOURCE_EXHAUSTED at once instead of queueing silently behind the thread pool.
+    max_concurrent_rpcs: int = 128
     warmup: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     length_buckets: LengthBuckets = field(default_factory=LengthBuckets)
@@ -63,15 +70,18 @@ class WorkerSettings:
     tls: TLSFiles = field(default_factory=TLSFiles)
 
 
-class DrainingError(RuntimeError):
-    pass
+# Threads beyond the request limit: health checks, reflection and quick rejections always run.
+_SPARE_RPC_THREADS = 16
+# After the engine died: how long failing requests get to send their error before the exit.
+_DEATH_GRACE_S = 1.0
+EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: Kubernetes or the local launcher restarts the worker
 
 
 class WorkerRuntime:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.engine = LLMEngine(settings.engine)
-        self.loop = EngineLoop(self.engine, on_step=self._observe_step)
+        self.loop = EngineLoop(self.engine, on_step=self._observe_step, on_death=self._on_death)
         layout = kvtransfer.KVLayout.of(settings.engine.model, self.engine.kv_cache)
         bind_host = settings.host if settings.host not in ("0.0.0.0", "::") else None
         self.kv_agent = kvtransfer.create_agent(
@@ -80,12 +90,18 @@ class WorkerRuntime:
         )  # fmt: skip
         self.registry = Registry(settings.redis_url)
         self.health = health.HealthServicer()
+        num_threads = settings.max_concurrent_rpcs + _SPARE_RPC_THREADS
         self.server = grpc.server(
-            ThreadPoolExecutor(max_workers=128, thread_name_prefix=f"{settings.role}-rpc"),
+            ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"{settings.role}-rpc"),
             options=[("grpc.max_receive_message_length", 64 << 20)],
+            maximum_concurrent_rpcs=num_threads,  # never more than there are threads for
         )
         self.port = 0
         self.metrics_port = 0
+        self.service_names: list[str] = []
+        # Called with the error when the engine thread dies, to fail what waits outside it.
+        self.death_hooks: list[Callable[[BaseException], None]] = []
+        self._exit = threading.Event()  # a signal, or the engine's death
         self._draining = threading.Event()
         self._in_flight = 0
         self._in_flight_lock = threading.Condition()
@@ -97,11 +113,11 @@ class WorkerRuntime:
         for add, servicer, _ in services:
             add(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [name for _, _, name in services]
-        for name in ("", *names):
+        names = self.service_names = ["", *(name for _, _, name in services)]
+        for name in names:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection(
-            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (*names[1:], health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         bind = f"{self.settings.host}:{self.settings.port}"
         tls = self.settings.tls
@@ -118,7 +134,7 @@ class WorkerRuntime:
         self.loop.start()
         if self.settings.warmup:
             self.loop.call(self._warm_up)
-        for name in ("", *names):
+        for name in names:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._heartbeat = Heartbeat(self.registry, self.info, self.settings.registry_ttl_s).start()
         log.info("%s worker %s serving on %s", self.settings.role, self.settings.worker_id,
@@ -180,6 +196,7 @@ class WorkerRuntime:
         KV_BLOCKS_FREE.set(stats.num_free_blocks)
         KV_BLOCKS_USED.set(num_used)
         KV_CACHE_USAGE.set(num_used / stats.num_blocks)
+        KV_BLOCKS_QUARANTINED.set(stats.num_quarantined_blocks)
         if self.settings.role == "prefill":
             PREFILL_QUEUED_TOKENS.set(stats.num_queued_tokens)
         else:
@@ -188,10 +205,18 @@ class WorkerRuntime:
     # ---- request admission and draining -------------------------------------------------------
     @contextmanager
     def serving(self, context: grpc.ServicerContext) -> Iterator[None]:
-        """Wraps every RPC: refuses new work while draining, counts work in flight."""
+        """Wraps every RPC: refuses new work while draining or past the limit, counts work in
+        flight."""
+        limit = self.settings.max_concurrent_rpcs
         with self._in_flight_lock:
             if self._draining.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; retry elsewhere")
+            if self._in_flight >= limit:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"worker has {self._in_flight} requests in flight, its limit "
+                    "(--max-concurrent-rpcs); retry elsewhere",
+                )
             self._in_flight += 1
         try:
             yield
@@ -208,29 +233,48 @@ class WorkerRuntime:
         self._draining.set()
         log.info("draining: %d requests in flight", self._in_flight)
         self.health.enter_graceful_shutdown()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
+        self._leave_registry()
         with self._in_flight_lock:
             self._in_flight_lock.wait_for(
                 lambda: self._in_flight == 0, timeout=self.settings.drain_grace_s
             )
         self.stop()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 1.0) -> None:
         self._draining.set()
+        self._leave_registry()
+        self.server.stop(grace=grace_s).wait()
+        self.loop.stop()
+        self.kv_agent.close()
+
+    def _leave_registry(self) -> None:
         if self._heartbeat is not None:
             try:
                 self._heartbeat.stop()
             except Exception as e:  # Redis gone at shutdown: the TTL cleans up
                 log.warning("could not remove registry entry: %s", e)
-        self.server.stop(grace=1.0).wait()
-        self.loop.stop()
-        self.kv_agent.close()
 
-    def serve_forever(self) -> None:
-        """Blocks until SIGTERM/SIGINT, then drains."""
-        stop = threading.Event()
+    def _on_death(self, error: BaseException) -> None:
+        """Engine thread, as it dies: say so at once, everywhere, then let serve_forever exit.
+        The loop has already failed every stream and queued call."""
+        self._draining.set()
+        for name in self.service_names:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._leave_registry()
+        for hook in self.death_hooks:
+            hook(error)
+        self._exit.set()
+
+    def serve_forever(self) -> int:
+        """Blocks until SIGTERM/SIGINT, then drains and returns 0; or until the engine dies,
+        then returns EXIT_ENGINE_DIED once the failing requests have had their error sent."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+            signal.signal(sig, lambda *_: self._exit.set())
+        self._exit.wait()
+        if isinstance(self.loop.error, EngineDiedError):
+            with self._in_flight_lock:
+                self._in_flight_lock.wait_for(lambda: self._in_flight == 0, _DEATH_GRACE_S)
+            self.stop(grace_s=0.1)
+            return EXIT_ENGINE_DIED
         self.drain()
+        return 0

@@ -3,23 +3,26 @@ decode worker's blocks, overlapping the transfer of chunk N with the compute of 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
 import grpc
 
 import kvtransfer
+from engine import InvalidRequestError
+from engine.engine_loop import EngineStoppedError
 from engine.request import Request
 from pdserve import wire
+from pdserve.wire import CallerGoneError
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
 from prefill_service import metrics
 
 log = logging.getLogger(__name__)
-TRANSFER_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 600.0  # for a caller that sets no deadline
 
 
 @dataclass(slots=True)
@@ -46,17 +49,17 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self.engine.on_computed = self._ship_finished_blocks
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext):
-        with self.runtime.serving(context):
+        with self.runtime.serving(context), wire.statuses(context):
             return self._prefill(request, context)
 
     def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext):
         rid, dest = request.request_id, request.kv_destination
         prompt = list(request.prompt_token_ids)
-        self._check_destination(context, len(prompt), dest)
+        self._check_destination(len(prompt), dest)
+        remaining_s = context.time_remaining()
+        deadline_s = time.monotonic() + (DEFAULT_TIMEOUT_S if remaining_s is None else remaining_s)
         # The prefill engine samples only the first token; stop rules are the decode's job.
-        params = wire.call_or_abort(
-            context, lambda: wire.sampling_params(request.params, max_tokens=1, ignore_eos=True)
-        )
+        params = wire.sampling_params(request.params, max_tokens=1, ignore_eos=True)
         job = PrefillJob(rid, dest.agent_metadata, list(dest.block_ids), dest.num_cached_blocks)
         loop = self.runtime.loop
 
@@ -65,16 +68,17 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             self.jobs[rid] = job
             return engine_request, loop.open_stream(rid)
 
-        engine_request, stream = wire.call_or_abort(context, lambda: loop.call(admit))
-        context.add_callback(lambda: loop.abort(rid))  # the decode worker gave up on us
+        engine_request, stream = loop.call(admit)
+        # The decode worker gave up on us, or the deadline passed: the stream ends with "abort".
+        context.add_callback(lambda: loop.abort(rid))
         bucket = self.runtime.settings.length_buckets.of(len(prompt))
         try:
             final = None
             for output in stream:
                 final = output
             first_token_done = time.monotonic()
-            for handle in job.handles:
-                handle.wait(TRANSFER_TIMEOUT_S)
+            for handle in list(job.handles):
+                handle.wait(max(0.0, deadline_s - time.monotonic()))
             if job.error is not None:
                 raise job.error
         except kvtransfer.KVHeaderMismatchError as e:
@@ -84,10 +88,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             metrics.REQUESTS.labels("kv_failed").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
         finally:
-            loop.post(lambda: self._release(job))
+            self._settle(job, deadline_s)
         if final is None or final.finish_reason == "abort":
             metrics.REQUESTS.labels("aborted").inc()
-            context.abort(grpc.StatusCode.CANCELLED, "prefill was cancelled")
+            raise CallerGoneError("prefill was cancelled")
         r = engine_request
         queue_wait = (r.first_scheduled_time_s or r.arrival_time_s) - r.arrival_time_s
         compute = (r.first_token_time_s or first_token_done) - (r.first_scheduled_time_s or 0)
@@ -108,19 +112,17 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             sampler_state=job.sampler_state,
         )
 
-    def _check_destination(self, context, num_prompt_tokens: int, dest) -> None:
+    def _check_destination(self, num_prompt_tokens: int, dest) -> None:
         if num_prompt_tokens == 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+            raise InvalidRequestError("prompt_token_ids is empty")
         num_blocks = -(-num_prompt_tokens // self.block_size)
         if len(dest.block_ids) != num_blocks:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidRequestError(
                 f"kv_destination has {len(dest.block_ids)} block ids; a {num_prompt_tokens}-token "
                 f"prompt needs {num_blocks} blocks of {self.block_size}",
             )
         if dest.num_cached_blocks >= num_blocks:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidRequestError(
                 f"num_cached_blocks {dest.num_cached_blocks} leaves nothing to send of "
                 f"{num_blocks} blocks (the last block is always sent)",
             )
@@ -154,13 +156,15 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             job.error = e
             self.runtime.loop.abort(job.request_id)
 
-    def _release(self, job: PrefillJob) -> None:
-        """Engine thread: drop the send references, once every handle has resolved."""
-        self.jobs.pop(job.request_id, None)
-        if all(h.is_done() for h in job.handles):
-            self.engine.pool.free(job.held_block_ids)
-            return
-        # A send still running (its peer is slow): check again shortly, without blocking.
-        timer = threading.Timer(0.05, self.runtime.loop.post, args=(lambda: self._release(job),))
-        timer.daemon = True
-        timer.start()
+    def _settle(self, job: PrefillJob, deadline_s: float) -> None:
+        """Stops the job's shipping, then drops its send references once every send has
+        resolved, or at the deadline: by then the receiver has given up on these bytes and
+        fenced its blocks, so our source blocks may be reused."""
+        loop = self.runtime.loop
+        with contextlib.suppress(EngineStoppedError):  # the process is going away
+            loop.call(lambda: self.jobs.pop(job.request_id, None))
+        for handle in job.handles:
+            with contextlib.suppress(kvtransfer.KVTransferError):  # its outcome is reported
+                handle.wait(max(0.0, deadline_s - time.monotonic()))
+        with contextlib.suppress(EngineStoppedError):
+            loop.post(lambda: self.engine.pool.free(job.held_block_ids))

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pdserve.redis_server import RedisServer
 from pdserve.registry import Registry, WorkerInfo
 
+PDSERVE = (sys.executable, "-m", "pdserve.cli")
+
 
 @dataclass
 class WorkerProcess:
@@ -59,10 +61,13 @@ class Cluster:
     def __post_init__(self) -> None:
         self.registry = Registry(self.redis.url)
 
-    def start(self, role: str, *args: str, wait: bool = True) -> WorkerProcess:
+    def start(
+        self, role: str, *args: str, wait: bool = True, program: tuple[str, ...] = PDSERVE
+    ) -> WorkerProcess:
+        """program: how to run `pdserve` (tests/workers/faulty_worker.py injects faults)."""
         worker_id = f"{role}-{len(self.workers)}"
         command = [
-            sys.executable, "-m", "pdserve.cli", role, "--redis-url", self.redis.url,
+            *program, role, "--redis-url", self.redis.url,
             "--port", "0", "--metrics-port", "0", "--threads", "1", "--worker-id", worker_id,
             "--kv-backend", self.kv_backend, "--registry-ttl-s", str(self.registry_ttl_s),
             "--no-warmup", "--log-level", "warning", *self.extra_args, *args,
