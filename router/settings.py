@@ -97,5 +97,19 @@ class RouterSettings:
     registry_refresh_s: float = 0.5
     drain_grace_s: float = 10.0
     num_threads: int | None = None  # tokenization threads; None: Python's default pool
+    # One deadline per request, from its arrival: the decode call (prefill and KV landing
+    # included) gets what is left of it, or less when a gRPC client's own deadline is sooner.
+    request_timeout_s: float = 600.0
+    # Times a request moves to another decode worker when its worker is lost mid-stream.
+    max_migrations: int = 1
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.request_timeout_s > 0:
+            problems.append(f"request_timeout_s={self.request_timeout_s} must be > 0")
+        if self.max_migrations < 0:
+            problems.append(f"max_migrations={self.max_migrations} must be >= 0")
+        if problems:
+            raise SettingsError("router settings: " + "; ".join(problems))
