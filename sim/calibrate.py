@@ -1,0 +1,117 @@
+"""Fits the local cost model: times the real engine's steps on this machine (one torch thread,
+as each worker of a 2-core `pdserve up` gets) and least-squares the step time on its shape.
+
+Usage: python -m sim.calibrate [--threads 1] [--out sim/local_cpu.json]   (~1-2 minutes)
+The last line printed is the JSON written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import ModelConfig
+from engine.loader import resolve_model
+from sim.costs import LOCAL_COEFFICIENTS, LocalCoefficients, StepShape, kv_bytes_per_token
+
+FEATURES = ("overhead_s", "per_prefill_token_s", "per_attention_pair_s", "per_decode_s",
+            "per_decode_context_s")  # fmt: skip
+PREFILL_LENGTHS = (32, 128, 384, 1000)  # 1000 runs as 512 + 488 after 512 cached
+DECODE_BATCHES = ((1, 32), (4, 32), (16, 32), (32, 32), (8, 480))  # (batch, prompt tokens)
+DECODE_NEW_TOKENS = 8
+ROUNDS = 3  # the first is a warm-up and is not used
+
+
+def features(shape: StepShape) -> list[float]:
+    return [1.0, shape.num_prefill_tokens, shape.num_attention_pairs, shape.num_decode,
+            shape.decode_context]  # fmt: skip
+
+
+def measure(threads: int) -> list[tuple[StepShape, float]]:
+    engine = LLMEngine(EngineConfig(num_threads=threads, chunk_size=512, num_blocks=512,
+                                    enable_prefix_caching=False))  # fmt: skip
+    runner = engine.runner
+    execute = runner.execute
+    shapes: list[StepShape] = []
+
+    def recording_execute(batch):
+        shapes.append(StepShape.of(batch))
+        return execute(batch)
+
+    runner.execute = recording_execute  # the step itself stays the real one
+    rng = np.random.default_rng(0)
+    samples: dict[StepShape, list[float]] = {}
+    for round_index in range(ROUNDS):
+        for n in PREFILL_LENGTHS:
+            _run(engine, [rng.integers(100, 40000, n).tolist()], 1, f"p{round_index}-{n}",
+                 shapes, samples, round_index)  # fmt: skip
+        for batch, length in DECODE_BATCHES:
+            prompts = rng.integers(100, 40000, (batch, length)).tolist()
+            _run(engine, prompts, DECODE_NEW_TOKENS, f"d{round_index}-{batch}-{length}",
+                 shapes, samples, round_index)  # fmt: skip
+    return [(shape, statistics.median(times)) for shape, times in samples.items()]
+
+
+def _run(engine, prompts, max_tokens, tag, shapes, samples, round_index) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - started
+        if round_index > 0:  # round 0 pays first-run costs
+            samples.setdefault(shapes[-1], []).append(seconds)
+
+
+def fit(points: list[tuple[StepShape, float]]) -> tuple[dict[str, float], float]:
+    """Least squares with every coefficient >= 0: a feature that fits negative is dropped.
+    Returns the coefficients and the mean absolute relative error over the points."""
+    x = np.array([features(s) for s, _ in points])
+    y = np.array([t for _, t in points])
+    active = list(range(x.shape[1]))
+    while True:
+        # Relative error matters (a 10 ms decode step and a 2 s prefill alike): weight by 1/y.
+        w = 1.0 / y
+        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (coef >= 0).all():
+            break
+        active.pop(int(np.argmin(coef)))
+    full = np.zeros(x.shape[1])
+    full[active] = coef
+    error = float(np.mean(np.abs(x @ full - y) / y))
+    return dict(zip(FEATURES, full.tolist(), strict=True)), error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(LOCAL_COEFFICIENTS))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    points = measure(args.threads)
+    coefficients, error = fit(points)
+    model = ModelConfig.from_dir(resolve_model("smollm2-135m"))
+    result = LocalCoefficients(
+        **coefficients, threads=args.threads,
+        model={f.name: getattr(model, f.name) for f in fields(ModelConfig)},
+        kv_bytes_per_token=kv_bytes_per_token(model, 4),  # fp32 KV
+        fit={"num_points": len(points), "mean_abs_relative_error": round(error, 4),
+             "seconds": round(time.perf_counter() - started, 1),
+             "points": [[*features(s)[1:], round(t, 5)] for s, t in points]},
+    )  # fmt: skip
+    result.save(Path(args.out))
+    print(f"{len(points)} step shapes, mean |error| {error:.1%}")
+    print(json.dumps(asdict(result) | {"fit": {k: v for k, v in result.fit.items()
+                                                if k != "points"}}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

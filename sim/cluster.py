@@ -1,0 +1,431 @@
+"""The simulated cluster: real router objects (Gateway.job's limits, Admission with its queue,
+aging and 429 rules, the routing policies, WorkerPool and Ledger) in front of SimWorkers, on
+the virtual clock. What the gRPC services do between them (decode-driven remote prefill, KV
+shipped per finished chunk, streaming) is replayed here with the network as a cost model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Generator
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar
+
+from engine import EngineConfig, SamplingParams
+from engine.errors import EngineError, InvalidRequestError
+from engine.request import Request, StepOutput
+from pdserve.lengths import LENGTH_BUCKETS
+from pdserve.registry import Role, WorkerInfo
+from router.admission import Admission, Lease
+from router.errors import InvalidRequest, Overloaded, Unavailable
+from router.gateway import Gateway
+from router.ledger import Ledger
+from router.routing import RoutingPolicies, build_policies
+from router.routing.framework import Policy
+from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
+from router.ticket import Ticket
+from router.workers import WorkerPool, WorkerView
+from sim.clock import SimulationStalled
+from sim.costs import CostModel
+from sim.worker import CoreShare, SimWorker, WorkerSpec
+from sim.workload import ClosedLoop, OpenLoop, RequestSource, SimRequest
+
+T = TypeVar("T")
+Mode = Literal["pd", "colocated"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    mode: Mode
+    workers: tuple[WorkerSpec, ...]
+    prefill_engine: EngineConfig  # prefill workers (and colocated ones)
+    decode_engine: EngineConfig
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
+    heartbeat_s: float = 2.0  # a worker publishes its load every registry_ttl_s / 3
+    registry_refresh_s: float = 0.5  # the router re-reads the registry this often
+    max_sim_s: float = 3600.0  # a run still going at this virtual time is stuck
+
+
+@dataclass(slots=True)
+class Record:
+    """One request's outcome, in virtual seconds from its send."""
+
+    request_id: str
+    client: int
+    num_prompt_tokens: int
+    max_tokens: int
+    bucket: str = ""
+    sent_s: float = 0.0
+    status: int = 0  # 200, 400, 429, 503
+    reason: str = ""  # a 429's RejectReason
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    num_output_tokens: int = 0
+    queue_wait_s: float | None = None
+    dispatched_s: float | None = None  # left the admission queue (virtual time)
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+
+class RouterMeter:
+    """CPU seconds (time.process_time) spent inside the router's own code; nested calls count
+    once, so a dispatch inside a release is not counted twice."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.num_calls = 0
+        self._depth = 0
+        self._started = 0.0
+
+    def __enter__(self) -> RouterMeter:
+        if self._depth == 0:
+            self._started = time.process_time()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.cpu_s += time.process_time() - self._started
+            self.num_calls += 1
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        with self:
+            return fn(*args)
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Awaits coro, timing each of its resumptions (not the time it is suspended)."""
+        return await _Metered(coro, self)
+
+
+class _Metered:
+    def __init__(self, coro: Coroutine[Any, Any, Any], meter: RouterMeter) -> None:
+        self._coro = coro
+        self._meter = meter
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        inner = self._coro.__await__()
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                with self._meter:
+                    yielded = inner.send(value) if error is None else inner.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            try:
+                value = yield yielded
+            except BaseException as e:  # delivered into the coroutine, as await would
+                error = e
+
+
+@dataclass(slots=True)
+class _Recording:
+    """Colocated placement, prefill side: the real prefill policy, remembering its choice."""
+
+    policy: Policy
+    chosen: str | None = None
+
+    def choose(self, workers: list[WorkerView], ticket: Ticket) -> WorkerView | None:
+        worker = self.policy.choose(workers, ticket)
+        self.chosen = worker.worker_id if worker else None
+        return worker
+
+
+@dataclass(slots=True)
+class _SameWorker:
+    """Colocated placement, decode side: the real decode policy's filters, on the worker the
+    prefill policy just chose (prefill and decode share its engine)."""
+
+    policy: Policy
+    prefill: _Recording
+
+    def choose(self, workers: list[WorkerView], ticket: Ticket) -> WorkerView | None:
+        return self.policy.choose([w for w in workers if w.worker_id == self.prefill.chosen],
+                                  ticket)  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Shipment:
+    """A remote prefill's KV on its way to the decode worker (PrefillJob's simulated twin)."""
+
+    num_skipped_blocks: int
+    num_sent_blocks: int = 0
+    done_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Sink:
+    """The decode worker's output stream for one request, as the router sees it."""
+
+    first: asyncio.Future[float]
+    done: asyncio.Future[float]
+    num_tokens: int = 0
+
+    def on_output(self, output: StepOutput, now: float) -> None:
+        if output.new_token_ids:
+            self.num_tokens += len(output.new_token_ids)
+            if not self.first.done():
+                self.first.set_result(now)
+        if output.finished and not self.done.done():
+            if not self.first.done():  # ended without a token (abort)
+                self.first.set_result(now)
+            self.done.set_result(now)
+
+
+@dataclass(slots=True)
+class Samples:
+    queue_depth: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+
+
+class Simulation:
+    def __init__(self, config: ClusterConfig, cost: CostModel, cores: CoreShare | None = None):
+        self.config = config
+        self.cost = cost
+        self.loop = asyncio.get_running_loop()
+        clock = self.loop.time
+        self.workers: dict[str, SimWorker] = {}
+        for spec in config.workers:
+            engine = config.decode_engine if spec.kind == "decode" else config.prefill_engine
+            worker = SimWorker(spec, engine, cost, self.loop, cores)
+            if spec.kind == "prefill":
+                worker.engine.on_computed = lambda r, w=worker: self._ship(w, r)
+            self.workers[spec.worker_id] = worker
+        self.registry: dict[Role, dict[str, WorkerInfo]] = {"prefill": {}, "decode": {}}
+        self.pool = WorkerPool(
+            config.admission.default_prefill_tokens_per_s,
+            ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
+        )
+        policies = build_policies(config.routing, config.admission)
+        if config.mode == "colocated":
+            recording = _Recording(policies.prefill)
+            policies = RoutingPolicies(recording, _SameWorker(policies.decode, recording))  # type: ignore[arg-type]
+        self.admission = Admission(config.admission, self.pool, policies, clock=clock)
+        settings = RouterSettings(redis_url="sim://", admission=config.admission,
+                                  routing=config.routing)  # fmt: skip
+        self.gateway = Gateway(settings, None, self.pool, self.admission, None)  # type: ignore[arg-type]
+        self.meter = RouterMeter()
+        self.records: list[Record] = []
+        self.samples = Samples()
+        self.kv_links: dict[str, float] = {}  # prefill worker -> when its link is free
+        self._shipments: dict[str, _Shipment] = {}
+        self._background: list[asyncio.Task[None]] = []
+
+    # ---- the control plane -----------------------------------------------------------------
+    def roles_of(self, worker: SimWorker) -> tuple[Role, ...]:
+        kind = worker.spec.kind
+        return ("prefill", "decode") if kind == "colocated" else (kind,)  # type: ignore[return-value]
+
+    def _publish(self, worker: SimWorker) -> None:
+        for role in self.roles_of(worker):
+            self.registry[role][worker.worker_id] = worker.info(role)
+        usage = 1.0 - worker.stats.num_free_blocks / worker.stats.num_blocks
+        worker.timeline.kv_usage.append((self.loop.time(), usage))
+
+    def _refresh(self) -> None:
+        """RouterServer._refresh: take the registry's snapshot, then dispatch."""
+        with self.meter:
+            for role in ("prefill", "decode"):
+                self.pool.update(role, list(self.registry[role].values()))
+            self.admission.dispatch()
+        depth = {b: self.admission.queue.depth(b) for b in LENGTH_BUCKETS}
+        self.samples.queue_depth.append((self.loop.time(), depth))
+
+    async def _heartbeat(self, worker: SimWorker, phase_s: float) -> None:
+        await asyncio.sleep(phase_s)
+        while True:
+            self._publish(worker)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _follow_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.registry_refresh_s)
+            self._refresh()
+            if self.loop.time() > self.config.max_sim_s:
+                raise SimulationStalled(f"still running at {self.config.max_sim_s:.0f} s")
+
+    def start(self) -> None:
+        n = len(self.workers)
+        for i, worker in enumerate(self.workers.values()):
+            self._publish(worker)
+            self._background.append(self.loop.create_task(worker.run()))
+            phase = self.config.heartbeat_s * (i + 1) / (n + 1)
+            self._background.append(self.loop.create_task(self._heartbeat(worker, phase)))
+        self._refresh()
+        self._background.append(self.loop.create_task(self._follow_registry()))
+
+    async def stop(self) -> None:
+        for task in self._background:
+            task.cancel()
+        results = await asyncio.gather(*self._background, return_exceptions=True)
+        for result in results:  # a background failure (a stall, a bug) fails the run
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
+
+    # ---- workloads -----------------------------------------------------------------------
+    async def run_open(self, arrivals: OpenLoop, source: RequestSource, seed: int) -> None:
+        tasks = []
+        for when, request in arrivals.arrivals(source, seed):
+            await asyncio.sleep(max(0.0, when - self.loop.time()))
+            tasks.append(self.loop.create_task(self.serve(request)))
+        await self._gather(tasks)
+
+    async def run_closed(self, closed: ClosedLoop, source: RequestSource) -> None:
+        remaining = [closed.num_requests]
+
+        async def client(index: int) -> None:
+            while remaining[0] > 0 and self.loop.time() < closed.duration_s:
+                remaining[0] -= 1
+                record = await self.serve(source.next(index))
+                if record.status == 429:  # back off as Retry-After says, then send the next
+                    await asyncio.sleep(1.0)
+                elif closed.think_s:
+                    await asyncio.sleep(closed.think_s)
+
+        await self._gather([self.loop.create_task(client(i)) for i in range(closed.concurrency)])
+
+    async def _gather(self, tasks: list[asyncio.Task[Any]]) -> None:
+        """Waits for the workload, failing at once if a background task (a stall) fails."""
+        pending = set(tasks) | set(self._background)
+        while any(not t.done() for t in tasks):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task in self._background and not task.cancelled():
+                    task.result()  # raises
+        for task in tasks:
+            task.result()
+
+    # ---- one request -----------------------------------------------------------------------
+    async def serve(self, request: SimRequest) -> Record:
+        hop = self.cost.hop_s
+        record = Record(request.request_id, request.client, request.num_prompt_tokens,
+                        request.max_tokens, sent_s=self.loop.time())  # fmt: skip
+        self.records.append(record)
+        await asyncio.sleep(hop)  # client -> router
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            with self.meter:
+                job = self.gateway.job(request.prompt_token_ids, lambda _room: params,
+                                       self.loop.time())  # fmt: skip
+                ticket = replace(job.ticket, request_id=request.request_id,
+                                 arrival_s=self.loop.time())  # fmt: skip
+            record.bucket = ticket.bucket
+            lease = await self.meter.run(self.admission.admit(ticket))
+        except InvalidRequest:
+            record.status = 400
+            return record
+        except Overloaded as e:
+            record.status, record.reason = 429, e.reason
+            return record
+        except Unavailable:
+            record.status = 503
+            return record
+        record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
+        record.prefill_worker = lease.prefill.worker_id
+        record.decode_worker = lease.decode.worker_id
+        try:
+            await self._run_leased(request, params, lease, record)
+        finally:
+            self.meter.call(lease.end)
+        return record
+
+    async def _run_leased(self, request: SimRequest, params: SamplingParams, lease: Lease,
+                          record: Record) -> None:  # fmt: skip
+        hop = self.cost.hop_s
+        sink = _Sink(self.loop.create_future(), self.loop.create_future())
+        await asyncio.sleep(hop)  # router -> the decode (or colocated) worker
+        worker = self.workers[lease.decode.worker_id]
+        try:
+            if self.config.mode == "colocated":
+                requests = [
+                    worker.engine.add_request(request.request_id, request.prompt_token_ids, params)
+                ]
+            else:
+                requests = await self._remote_prefill(request, params, lease, worker, sink)
+        except InvalidRequestError:
+            record.status = 400
+            return
+        except EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
+            record.status, record.reason = 429, "decode_kv"
+            return
+        if not sink.done.done():
+            worker.listen(request.request_id, lambda o: sink.on_output(o, self.loop.time()))
+            worker.kick()
+        first_s = await sink.first
+        await asyncio.sleep(max(0.0, first_s + hop - self.loop.time()))  # decode -> router
+        self.meter.call(lease.end_prefill)
+        record.ttft_s = first_s + 2 * hop - record.sent_s
+        done_s = await sink.done
+        record.e2e_s = done_s + 2 * hop - record.sent_s
+        record.num_output_tokens = sink.num_tokens
+        record.num_preemptions = sum(r.num_preemptions for r in requests)
+        record.status = 200
+        await asyncio.sleep(max(0.0, done_s + 2 * hop - self.loop.time()))  # -> the client
+
+    async def _remote_prefill(self, request: SimRequest, params: SamplingParams, lease: Lease,
+                              decode: SimWorker, sink: _Sink) -> list[Request]:  # fmt: skip
+        """DecodeService._generate + PrefillService._prefill: reserve KV on the decode worker,
+        prefill elsewhere with the blocks shipped as they finish, then commit."""
+        hop, rid = self.cost.hop_s, request.request_id
+        reserved = decode.engine.reserve_for_remote_prefill(rid, request.prompt_token_ids, params)
+        prefill = self.workers[lease.prefill.worker_id]
+        await asyncio.sleep(hop)  # decode -> prefill: the Prefill RPC
+        block_size = decode.engine.config.block_size
+        shipment = _Shipment(reserved.num_cached_tokens // block_size)
+        first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        finished: asyncio.Future[StepOutput] = self.loop.create_future()
+        try:
+            prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
+                                                         first_params)  # fmt: skip
+        except EngineError:
+            decode.engine.abort_request(rid)
+            raise
+        self._shipments[rid] = shipment
+        prefill.listen(rid, lambda o: o.finished and finished.set_result(o))
+        prefill.kick()
+        output = await finished
+        del self._shipments[rid]
+        # The response leaves once the last block has landed; then one hop back to decode.
+        await asyncio.sleep(max(0.0, shipment.done_at - self.loop.time()) + hop)
+        first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
+        sink.on_output(first, self.loop.time())
+        return [reserved, prefill_request]
+
+    def _ship(self, worker: SimWorker, request: Request) -> None:
+        """PrefillService._ship_finished_blocks on the engine thread after a step: every block
+        that became final is held (touched) and sent; the link carries one send at a time."""
+        shipment = self._shipments.get(request.request_id)
+        if shipment is None:
+            return
+        block_size = worker.engine.config.block_size
+        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if computed == request.num_prompt_tokens:
+            num_final = -(-computed // block_size)
+        else:
+            num_final = computed // block_size
+        start = max(shipment.num_sent_blocks, shipment.num_skipped_blocks)
+        if num_final <= start:
+            return
+        block_ids = request.block_ids[start:num_final]
+        pool = worker.engine.pool
+        pool.touch(block_ids)
+        shipment.num_sent_blocks = num_final
+        now = worker.clock()  # the end of the step that computed them
+        begins = max(now, self.kv_links.get(worker.worker_id, 0.0))
+        done = begins + self.cost.kv_transfer_s((num_final - start) * block_size)
+        self.kv_links[worker.worker_id] = shipment.done_at = done
+
+        def release() -> None:
+            pool.free(block_ids)
+            worker.kick()
+
+        self.loop.call_at(done, release)

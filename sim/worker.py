@@ -1,0 +1,167 @@
+"""A simulated worker: the real LLMEngine (scheduler, KV cache manager, block pool, step) with a
+cost-model runner in place of the model, stepped by a coroutine on the virtual clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine import EngineConfig, LLMEngine
+from engine.model_runner import ScheduledRequest
+from engine.request import StepOutput
+from pdserve.registry import Role, WorkerInfo, WorkerLoad
+from sim.costs import CostModel, StepShape
+
+WorkerKind = Literal["prefill", "decode", "colocated"]
+OUTPUT_TOKEN_ID = 100  # every generated token; requests set ignore_eos, so length decides
+EOS_TOKEN_ID = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    worker_id: str
+    kind: WorkerKind
+    speed_factor: float = 1.0  # step time multiplier: 2.0 is a card half as fast
+
+
+class StepClock:
+    """The engine's clock: virtual time, plus the modelled length of the step in progress, so
+    the engine stamps a step's start, its first tokens and its measured speed as a real one
+    would."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.offset_s = 0.0
+
+    def __call__(self) -> float:
+        return self._loop.time() + self.offset_s
+
+
+class SimTokenizer:
+    """What the engine asks of a tokenizer once prompts arrive as token ids: the EOS id, and a
+    decode for the detokenizer (text is not simulated)."""
+
+    eos_token_id = EOS_TOKEN_ID
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+@dataclass(slots=True)
+class CoreShare:
+    """Local cost model: single-thread workers busy at once share the machine's cores."""
+
+    num_cores: int
+    num_busy: int = 0
+
+    def slowdown(self) -> float:
+        """For a step about to start: it and the steps already running share the cores."""
+        return max(1.0, (self.num_busy + 1) / self.num_cores)
+
+
+class CostModelRunner:
+    """ModelRunner's execute() contract: the next token of every request whose pass completes.
+    The step's modelled duration goes to the step clock; the worker sleeps it afterwards."""
+
+    def __init__(self, cost: CostModel, clock: StepClock, speed_factor: float,
+                 cores: CoreShare | None) -> None:  # fmt: skip
+        self.cost = cost
+        self.clock = clock
+        self.speed_factor = speed_factor
+        self.cores = cores
+
+    def execute(self, batch: Sequence[ScheduledRequest]) -> dict[str, int]:
+        seconds = self.cost.step_s(StepShape.of(batch)) * self.speed_factor
+        if self.cores is not None:
+            seconds *= self.cores.slowdown()
+        self.clock.offset_s = seconds
+        return {i.request.request_id: OUTPUT_TOKEN_ID for i in batch if i.completes_pass}
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Busy intervals and periodic KV samples, for utilisation and memory plots."""
+
+    busy: list[tuple[float, float]] = field(default_factory=list)
+    kv_usage: list[tuple[float, float]] = field(default_factory=list)
+
+    def busy_s(self, start: float, end: float) -> float:
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.busy)
+
+
+class SimWorker:
+    def __init__(
+        self, spec: WorkerSpec, config: EngineConfig, cost: CostModel,
+        loop: asyncio.AbstractEventLoop, cores: CoreShare | None = None,
+    ) -> None:  # fmt: skip
+        self.spec = spec
+        self.loop = loop
+        self.clock = StepClock(loop)
+        self.cores = cores
+        self.runner = CostModelRunner(cost, self.clock, spec.speed_factor, cores)
+        self.engine = LLMEngine(
+            config, model_config=cost.model, tokenizer=SimTokenizer(),  # type: ignore[arg-type]
+            runner=self.runner, clock=self.clock,  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.listeners: dict[str, Callable[[StepOutput], None]] = {}
+        self.stats = self.engine.stats()
+        self.timeline = Timeline()
+        self.num_steps = 0
+        self._wake = asyncio.Event()
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    def kick(self) -> None:
+        """Something changed outside a step (a request queued, committed, aborted)."""
+        self._wake.set()
+
+    def listen(self, request_id: str, listener: Callable[[StepOutput], None]) -> None:
+        self.listeners[request_id] = listener
+
+    def info(self, role: Role) -> WorkerInfo:
+        """The registry entry a heartbeat would publish now (EngineLoop's stats snapshot)."""
+        s = self.stats
+        return WorkerInfo(
+            role=role, worker_id=self.worker_id, address=f"sim://{self.worker_id}",
+            metrics_url="", kv_backend="sim", max_model_len=self.engine.max_model_len,
+            chunk_size=self.engine.config.chunk_size, block_size=self.engine.config.block_size,
+            load=WorkerLoad(
+                queued_tokens=s.num_queued_tokens, running_requests=s.num_running_requests,
+                waiting_requests=s.num_waiting_requests, free_blocks=s.num_free_blocks,
+                total_blocks=s.num_blocks, prefill_tokens_per_s=s.prefill_tokens_per_s,
+            ),
+            updated_at=self.loop.time(),
+        )  # fmt: skip
+
+    async def run(self) -> None:
+        """EngineLoop's loop on virtual time: step while there is work, sleep the step's
+        modelled duration, then publish the stats snapshot and hand out the outputs."""
+        while True:
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            seconds, self.clock.offset_s = self.clock.offset_s, 0.0
+            if seconds == 0.0:  # idle, or nothing schedulable until something changes
+                self.stats = self.engine.stats()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = self.loop.time()
+            self.num_steps += 1
+            if self.cores is not None:
+                self.cores.num_busy += 1
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                if self.cores is not None:
+                    self.cores.num_busy -= 1
+            self.timeline.busy.append((started, self.loop.time()))
+            self.stats = self.engine.stats()
+            for output in outputs:
+                listener = self.listeners.get(output.request_id)
+                if listener is not None:
+                    if output.finished:
+                        del self.listeners[output.request_id]
+                    listener(output)

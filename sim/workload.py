@@ -1,0 +1,130 @@
+"""Workloads: prompt/output length mixes and arrival processes (open-loop Poisson, bursts,
+closed loop at a fixed concurrency), all drawn from one seeded generator."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+Shape = Literal["prefill_mix", "sharegpt", "summarisation", "fixed"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    client: int = 0  # closed loop: which client sent it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthMix:
+    """How long prompts and outputs are.
+
+    prefill_mix: the published prefill-tuning mix, 70% short (64-256 tokens) and 30% long
+      (1024-4096), uniform within each range (mean input 880: the study's "~1,580" cannot come
+      from those ranges, whose largest possible mean is 1,408).
+    sharegpt: lognormal prompts and outputs (chatbot; medians ~ ShareGPT's).
+    summarisation: long lognormal prompts, short outputs (LongBench-like).
+    fixed: every prompt prompt_tokens long (validation and tests).
+    """
+
+    shape: Shape = "prefill_mix"
+    scale: float = 1.0  # prompt lengths are multiplied by this (small machines)
+    output_tokens: tuple[int, int] = (32, 128)  # uniform, for prefill_mix and fixed
+    prompt_tokens: int = 256  # fixed
+    max_prompt_tokens: int = 7168
+    vocab: tuple[int, int] = (1000, 40000)
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        """(prompt tokens, output tokens)."""
+        if self.shape == "prefill_mix":
+            low, high = (1024, 4096) if rng.random() < 0.3 else (64, 256)
+            prompt, output = rng.randint(low, high), rng.randint(*self.output_tokens)
+        elif self.shape == "sharegpt":
+            prompt = int(rng.lognormvariate(5.5, 1.0))  # median ~245
+            output = int(rng.lognormvariate(5.3, 0.9))  # median ~200
+        elif self.shape == "summarisation":
+            prompt = int(rng.lognormvariate(7.6, 0.5))  # median ~2,000
+            output = int(rng.lognormvariate(4.6, 0.5))  # median ~100
+        else:
+            prompt, output = self.prompt_tokens, rng.randint(*self.output_tokens)
+        prompt = max(1, min(self.max_prompt_tokens, round(prompt * self.scale)))
+        return prompt, max(1, min(output, 2048))
+
+
+@dataclass(slots=True)
+class RequestSource:
+    """An endless, reproducible stream of requests: random token ids, so no prefix is shared
+    unless shared_prefix_tokens says so (a common system prompt)."""
+
+    mix: LengthMix
+    seed: int = 0
+    shared_prefix_tokens: int = 0
+    _count: int = 0
+    _lengths: random.Random = field(init=False)
+    _tokens: random.Random = field(init=False)
+    _prefix: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._lengths = random.Random(self.seed)
+        self._tokens = random.Random(self.seed + 1_000_003)
+        low, high = self.mix.vocab
+        self._prefix = [self._tokens.randint(low, high) for _ in range(self.shared_prefix_tokens)]
+
+    def next(self, client: int = 0) -> SimRequest:
+        num_prompt, num_output = self.mix.draw(self._lengths)
+        low, high = self.mix.vocab
+        num_body = max(0, num_prompt - len(self._prefix))
+        body = [self._tokens.randint(low, high) for _ in range(num_body)]
+        prompt = (self._prefix + body)[:num_prompt] if self._prefix else body
+        request = SimRequest(f"r{self._count:06d}", prompt, num_output, client)
+        self._count += 1
+        return request
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLoop:
+    """Poisson arrivals at rate_per_s for duration_s, plus optional bursts: at each burst time,
+    burst_size requests of burst_mix arrive together."""
+
+    rate_per_s: float
+    duration_s: float
+    bursts_s: tuple[float, ...] = ()
+    burst_size: int = 0
+    burst_mix: LengthMix | None = None
+
+    def arrivals(self, source: RequestSource, seed: int) -> Iterator[tuple[float, SimRequest]]:
+        rng = random.Random(seed + 7)
+        events: list[tuple[float, int, SimRequest]] = []
+        t = rng.expovariate(self.rate_per_s) if self.rate_per_s > 0 else self.duration_s
+        while t < self.duration_s:
+            events.append((t, len(events), source.next()))
+            t += rng.expovariate(self.rate_per_s)
+        if self.bursts_s:
+            burst_source = RequestSource(self.burst_mix or source.mix, seed + 99)
+            for when in self.bursts_s:
+                for _ in range(self.burst_size):
+                    request = burst_source.next()
+                    tagged = SimRequest(f"b{len(events):06d}", request.prompt_token_ids,
+                                        request.max_tokens)  # fmt: skip
+                    events.append((when, len(events), tagged))
+        for when, _, request in sorted(events, key=lambda e: (e[0], e[1])):
+            yield when, request
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """concurrency clients, each sending its next request when the last one ended, until
+    num_requests have been sent (or duration_s has passed)."""
+
+    concurrency: int
+    num_requests: int
+    duration_s: float = float("inf")
+    think_s: float = 0.0
