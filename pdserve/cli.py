@@ -117,7 +117,7 @@ def prefill(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs,
     )  # fmt: skip
-    start(settings).serve_forever()
+    raise typer.Exit(start(settings).serve_forever())
 
 
 @app.command()
@@ -165,7 +165,7 @@ def decode(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs,
     )  # fmt: skip
-    start(settings, decode_settings).serve_forever()
+    raise typer.Exit(start(settings, decode_settings).serve_forever())
 
 
 @app.command()
