@@ -64,8 +64,20 @@ class Unavailable(RouterError):
     """No worker can take the request (none registered, or the chosen one failed)."""
 
 
+class WorkerLost(Unavailable):
+    """The decode worker went away mid-request (connection lost, stream cut short, request
+    aborted): the request may move to another worker (gateway.Run migrates it)."""
+
+
 class UpstreamError(RouterError):
     """A worker answered with an error that is neither the client's fault nor load."""
+
+
+class DeadlineExceeded(RouterError):
+    """The request's deadline (--request-timeout-s, or the gRPC client's own) passed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="timeout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +95,7 @@ _STATUS: list[tuple[type[RouterError], Status]] = [
     (BodyTooLarge, Status(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
     (Overloaded, Status(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)),
     (UpstreamError, Status(502, "api_error", grpc.StatusCode.INTERNAL)),
+    (DeadlineExceeded, Status(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)),
     (Unavailable, Status(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE)),
 ]
 INTERNAL = Status(500, "api_error", grpc.StatusCode.INTERNAL)

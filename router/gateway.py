@@ -1,13 +1,15 @@
 """The request path both APIs share: tokenize once, check the limits, admit, call the chosen
-decode worker (naming the chosen prefill worker), and stream its messages back."""
+decode worker (naming the chosen prefill worker) under the request's deadline, and stream its
+messages back, moving the request to another decode worker if its worker is lost."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -18,11 +20,20 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from router import metrics
 from router.admission import Admission, Lease
-from router.errors import InvalidRequest, PromptTooLong, Unavailable
+from router.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    PromptTooLong,
+    Unavailable,
+    WorkerLost,
+)
+from router.migration import ResumedText
 from router.settings import RouterSettings
 from router.ticket import Ticket, affinity_key
 from router.upstream import DecodeClient, error_of
 from router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +43,13 @@ class Job:
     params: SamplingParams
     received_s: float  # monotonic: the request reached the router
     tokenize_s: float
+    deadline_s: float  # monotonic: past it the request ends with DeadlineExceeded
+
+    def remaining_s(self, doing: str) -> float:
+        remaining_s = self.deadline_s - time.monotonic()
+        if remaining_s <= 0:
+            raise DeadlineExceeded(f"the request's deadline passed {doing}")
+        return remaining_s
 
 
 class Gateway:
@@ -67,10 +85,11 @@ class Gateway:
 
     def job(
         self, prompt_token_ids: list[int], make_params: Callable[[int], SamplingParams],
-        received_s: float, param: str = "prompt",
+        received_s: float, param: str = "prompt", client_timeout_s: float | None = None,
     ) -> Job:  # fmt: skip
         """Checks the limits. make_params gets the context room left after the prompt (the
-        chat API's default max_tokens)."""
+        chat API's default max_tokens). The deadline: the request timeout, or the client's own
+        (a gRPC deadline) when that is sooner."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequest(f"{param} is empty", param=param)
@@ -90,31 +109,36 @@ class Gateway:
                 f"prompt tokens + max_tokens {params.max_tokens} would need "
                 f"{num_prompt + params.max_tokens}", "max_tokens",
             )  # fmt: skip
+        arrival_s = time.monotonic()
+        ticket = self.ticket(uuid.uuid4().hex, prompt_token_ids, params.max_tokens, arrival_s)
+        timeout_s = self.settings.request_timeout_s
+        if client_timeout_s is not None:
+            timeout_s = min(timeout_s, client_timeout_s)
+        tokenize_s = ticket.arrival_s - received_s
+        return Job(ticket, prompt_token_ids, params, received_s, tokenize_s, received_s + timeout_s)
+
+    def ticket(
+        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, arrival_s: float,
+        excluded_decode_ids: frozenset[str] = frozenset(),
+    ) -> Ticket:  # fmt: skip
         admission = self.settings.admission
-        num_reserved = num_prompt + min(params.max_tokens, admission.kv_output_reserve_tokens)
-        ticket = Ticket(
-            request_id=uuid.uuid4().hex,
+        num_prompt = len(prompt_token_ids)
+        num_reserved = num_prompt + min(max_tokens, admission.kv_output_reserve_tokens)
+        return Ticket(
+            request_id=request_id,
             num_prompt_tokens=num_prompt,
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             num_kv_blocks=-(-num_reserved // admission.kv_block_size),
             bucket=admission.buckets.of(num_prompt),
-            arrival_s=time.monotonic(),
+            arrival_s=arrival_s,
             affinity_key=affinity_key(prompt_token_ids),
+            excluded_decode_ids=excluded_decode_ids,
         )
-        return Job(ticket, prompt_token_ids, params, received_s, ticket.arrival_s - received_s)
 
     async def open(self, job: Job) -> Run:
         """Admits the job and starts it; returns once the first message is in (so an early
         error can still become a proper status), or raises a RouterError."""
-        lease = await self.admission.admit(job.ticket)
-        request = wpb.DecodeRequest(
-            request_id=job.ticket.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            params=wire.sampling_proto(job.params),
-            prefill_address=lease.prefill.address,
-            router_queue_s=lease.queue_wait_s,
-        )
-        run = Run(job, lease, self.decode.generate(lease.decode.address, request))
+        run = Run(self, job)
         try:
             await run.start()
         except BaseException:
@@ -124,17 +148,30 @@ class Gateway:
 
 
 class Run:
-    """One admitted request in flight: the decode worker's messages, observed on the way."""
+    """One admitted request in flight: the decode worker's messages, observed on the way.
 
-    def __init__(self, job: Job, lease: Lease, call: grpc.aio.UnaryStreamCall) -> None:
+    A request whose decode worker is lost (connection gone, stream cut short, request aborted)
+    before it finished moves to another decode worker, up to settings.max_migrations times,
+    with the tokens streamed so far appended to its prompt: the client's stream goes on.
+    """
+
+    def __init__(self, gateway: Gateway, job: Job) -> None:
+        self.gateway = gateway
         self.job = job
-        self.lease = lease
-        self.call = call
+        self.ticket = job.ticket  # the current leg's: a moved request gets a new one
+        self.lease: Lease | None = None
+        self.call: grpc.aio.UnaryStreamCall | None = None
         self.first: pb.GenerateResponse | None = None
+        self.output_token_ids: list[int] = []  # every token the client was sent
+        self.num_sent_chars = 0  # and the characters of text
+        self.num_migrations = 0
+        self._resumed: ResumedText | None = None  # the router's own text, once moved
         self._last_token_s: float | None = None
+        self._leg_has_token = False
         self._finished = False
 
     async def start(self) -> None:
+        await self._dispatch()
         self.first = await self._next()
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -149,19 +186,98 @@ class Run:
 
     def close(self) -> None:
         """Synchronous on purpose: it runs in `finally` blocks of cancelled tasks."""
-        self.call.cancel()  # no-op once the call has ended; aborts the request otherwise
-        self.lease.end()
+        if self.call is not None:
+            self.call.cancel()  # no-op once the call has ended; aborts the request otherwise
+        if self.lease is not None:
+            self.lease.end()
+
+    async def _dispatch(self) -> None:
+        """Admits the current leg and calls its decode worker with what is left of the
+        deadline (the worker spends no more on prefill and KV landing)."""
+        gateway, job, ticket = self.gateway, self.job, self.ticket
+        try:
+            async with asyncio.timeout(job.remaining_s("before the request was admitted")):
+                self.lease = await gateway.admission.admit(ticket)
+        except TimeoutError:
+            raise DeadlineExceeded("the request's deadline passed in the admission queue") from None
+        num_streamed = len(self.output_token_ids)
+        params = job.params
+        if num_streamed:
+            params = replace(params, max_tokens=params.max_tokens - num_streamed)
+        request = wpb.DecodeRequest(
+            request_id=ticket.request_id,
+            prompt_token_ids=job.prompt_token_ids + self.output_token_ids,
+            params=wire.sampling_proto(params),
+            prefill_address=self.lease.prefill.address,
+            router_queue_s=self.lease.queue_wait_s,
+        )
+        timeout_s = job.remaining_s("before the decode worker was called")
+        self.call = gateway.decode.generate(self.lease.decode.address, request, timeout_s)
+        self._leg_has_token = False
 
     async def _next(self) -> pb.GenerateResponse:
+        while True:
+            try:
+                message = await self._read()
+            except WorkerLost as lost:
+                await self._migrate(lost)
+                continue
+            return self._forward(message)
+
+    async def _read(self) -> pb.GenerateResponse:
+        assert self.call is not None and self.lease is not None
         address = self.lease.decode.address
         try:
             message = await self.call.read()
         except grpc.aio.AioRpcError as e:
             raise error_of(e, address) from e
         if message is grpc.aio.EOF:
-            raise Unavailable(f"decode worker {address} ended the stream before it finished")
+            raise WorkerLost(f"decode worker {address} ended the stream before it finished")
         if message.finish_reason == "abort":
-            raise Unavailable(f"decode worker {address} aborted the request")
+            raise WorkerLost(f"decode worker {address} aborted the request")
+        return message
+
+    async def _migrate(self, lost: WorkerLost) -> None:
+        """Moves the request to another decode worker, or raises when it cannot."""
+        assert self.lease is not None
+        lost_id = self.lease.decode.worker_id
+        self.close()  # cancels the lost call and hands its capacity back
+        gateway = self.gateway
+        if self.num_migrations >= gateway.settings.max_migrations:
+            raise lost
+        excluded = self.ticket.excluded_decode_ids | {lost_id}
+        if all(w.worker_id in excluded for w in gateway.pool.infos("decode")):
+            raise Unavailable(f"{lost.message}; no other decode worker is left to continue it")
+        self.num_migrations += 1
+        metrics.MIGRATIONS.labels(lost_id).inc()
+        num_streamed = len(self.output_token_ids)
+        log.warning("%s: %s; moving it on after %d tokens", self.job.ticket.request_id,
+                    lost.message, num_streamed)  # fmt: skip
+        if self._resumed is None:
+            self._resumed = ResumedText.replay(
+                gateway.tokenizer, self.job.params, self.output_token_ids, self.num_sent_chars
+            )
+        self.ticket = gateway.ticket(
+            self.job.ticket.request_id, self.job.prompt_token_ids + self.output_token_ids,
+            self.job.ticket.max_tokens - num_streamed, self.job.ticket.arrival_s, excluded,
+        )  # fmt: skip
+        await self._dispatch()
+
+    def _forward(self, message: pb.GenerateResponse) -> pb.GenerateResponse:
+        """The message as the client gets it: after a move, with the router's text and the
+        usage of the whole request."""
+        if self._resumed is not None:
+            worker_usage = message.usage
+            message = self._resumed.rewrite(message)
+            if message.finish_reason:
+                num_prompt = self.job.ticket.num_prompt_tokens
+                message.usage.CopyFrom(pb.Usage(
+                    prompt_tokens=num_prompt,
+                    completion_tokens=len(self.output_token_ids) + len(message.token_ids),
+                    cached_prompt_tokens=min(worker_usage.cached_prompt_tokens, num_prompt),
+                ))  # fmt: skip
+        self.output_token_ids.extend(message.token_ids)
+        self.num_sent_chars += len(message.text)
         if message.token_ids:
             self._observe_token(message)
         if message.finish_reason:
@@ -171,8 +287,11 @@ class Run:
     def _observe_token(self, message: pb.GenerateResponse) -> None:
         now = time.monotonic()
         job, lease = self.job, self.lease
-        if self._last_token_s is None:
+        assert lease is not None
+        if not self._leg_has_token:
+            self._leg_has_token = True
             lease.end_prefill()  # the prefill worker is done with it: free its budget
+        if self._last_token_s is None:
             bucket = job.ticket.bucket
             metrics.TTFT.labels(bucket, lease.prefill.worker_id).observe(now - job.received_s)
             t = message.ttft

@@ -1,5 +1,5 @@
 """The router's Prometheus metrics: latency per length bucket and per worker, the TTFT
-decomposition, queue wait and depth, rejections by reason."""
+decomposition, queue wait and depth, rejections by reason, migrations."""
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -36,3 +36,8 @@ E2E = Histogram(
     "pdserve_router_e2e_latency_seconds", "Arrival to the last token",
     ["length_bucket"], buckets=_LATENCY_S,
 )  # fmt: skip
+MIGRATIONS = Counter(
+    "pdserve_router_migrations_total",
+    "Requests moved to another decode worker after theirs was lost mid-request",
+    ["decode_worker"],
+)

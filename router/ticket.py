@@ -20,6 +20,8 @@ class Ticket:
     bucket: LengthBucket
     arrival_s: float  # monotonic clock
     affinity_key: bytes  # the prompt's leading tokens, hashed (for the hash policy)
+    # Decode workers this request was lost on (migration): never routed there again.
+    excluded_decode_ids: frozenset[str] = frozenset()
 
     @property
     def num_total_tokens(self) -> int:

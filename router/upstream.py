@@ -1,5 +1,6 @@
 """Calls to decode workers: one gRPC channel per worker (plain, TLS or mTLS), the streaming
-Decode.Generate call, and the mapping of a worker's error status to a router error."""
+Decode.Generate call under the request's deadline, and the mapping of a worker's error status
+to a router error."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import grpc
 from pdserve.tls import TLSFiles, channel_credentials
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
-from router.errors import InvalidRequest, Overloaded, RouterError, Unavailable, UpstreamError
+from router.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    Overloaded,
+    RouterError,
+    UpstreamError,
+    WorkerLost,
+)
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
@@ -19,9 +27,12 @@ class DecodeClient:
         self._stubs: dict[str, worker_pb2_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
-    def generate(self, address: str, request: wpb.DecodeRequest) -> grpc.aio.UnaryStreamCall:
-        """The stream of GenerateResponse messages; cancel() the call to abort the request."""
-        return self._stub(address).Generate(request)
+    def generate(
+        self, address: str, request: wpb.DecodeRequest, timeout_s: float
+    ) -> grpc.aio.UnaryStreamCall:
+        """The stream of GenerateResponse messages; cancel() the call to abort the request.
+        The worker sees the deadline (context.time_remaining()) and spends no more."""
+        return self._stub(address).Generate(request, timeout=timeout_s)
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeStub:
         stub = self._stubs.get(address)
@@ -46,6 +57,8 @@ def error_of(error: grpc.aio.AioRpcError, address: str) -> RouterError:
         return InvalidRequest(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Overloaded("decode_kv", f"decode worker {address}: {details}", 1.0)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"decode worker {address} is unavailable: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"the request's deadline passed on decode worker {address}")
+    if code == grpc.StatusCode.UNAVAILABLE:  # connection lost, or it could not serve it now
+        return WorkerLost(f"decode worker {address} is unavailable: {details}")
     return UpstreamError(f"decode worker {address} failed: {code.name} {details}")

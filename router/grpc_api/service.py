@@ -48,6 +48,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 whole.token_ids.extend(message.token_ids)
                 whole.text += message.text
                 whole.finish_reason = message.finish_reason
+                wire.set_stop_reason(whole, wire.stop_reason_of(message))
                 if message.HasField("ttft"):
                     whole.ttft.CopyFrom(message.ttft)
                 if message.HasField("usage"):
@@ -75,7 +76,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if kind == "text"
                 else list(request.token_ids.ids)
             )
-            job = gateway.job(ids, lambda room: wire.sampling_params(request.params), received_s)
+            job = gateway.job(
+                ids, lambda room: wire.sampling_params(request.params), received_s,
+                client_timeout_s=context.time_remaining(),
+            )  # fmt: skip
             run = await gateway.open(job)
         except RouterError as e:
             await _abort(context, e, method)

@@ -133,11 +133,11 @@ async def _respond(
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
-        text, finish_reason, usage = await until_disconnect(request, collect(run))
+        text, finish_reason, stop_reason, usage = await until_disconnect(request, collect(run))
     finally:
         run.close()
     metrics.REQUESTS.labels(request.url.path, "200").inc()
-    return JSONResponse(responder.response(text, finish_reason, usage))
+    return JSONResponse(responder.response(text, finish_reason, stop_reason, usage))
 
 
 def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:

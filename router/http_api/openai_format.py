@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.stop import StopReason
 from pdserve.v1 import generation_pb2 as pb
 from router.errors import RouterError, Status
 
@@ -48,16 +49,22 @@ class Responder:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, text: str, finish_reason: str, usage: pb.Usage) -> dict[str, Any]:
+    def response(
+        self, text: str, finish_reason: str, stop_reason: StopReason, usage: pb.Usage
+    ) -> dict[str, Any]:
+        """stop_reason is vLLM's: the stop string or token id that ended it (None for EOS)."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
         object_ = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._envelope(object_, [choice]) | {"usage": usage_json(usage)}
 
-    def chunk(self, text: str, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish_reason: str | None, stop_reason: StopReason = None, *,
+        first: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
         if self.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
@@ -65,7 +72,7 @@ class Responder:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._envelope(self._chunk_object, [choice])
 
     def usage_chunk(self, usage: pb.Usage) -> dict[str, Any]:

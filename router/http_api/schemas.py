@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from router.errors import InvalidRequest
 
 UInt32 = Annotated[int, Field(ge=0, lt=1 << 32)]  # token ids travel as proto uint32
+Finite = Annotated[float, Field(allow_inf_nan=False)]  # JSON's 1e400 parses as inf
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -27,13 +28,14 @@ class GenerationBody(_Body):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    top_k: Annotated[int, Field(lt=1 << 32)] | None = None  # proto uint32; < 1 is the engine's
     seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[UInt32] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -42,7 +44,21 @@ class GenerationBody(_Body):
         """Only what the client set: the engine's defaults apply to the rest."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
         fields = {name: value for name in names if (value := getattr(self, name)) is not None}
-        return fields | {"ignore_eos": self.ignore_eos}
+        return fields | {
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_is_unicode(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # JSON escapes can spell lone surrogates, which no proto string (or UTF-8) can carry.
+        for text in [stop] if isinstance(stop, str) else stop or []:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop strings must be valid Unicode: {e.reason}") from e
+        return stop
 
     @property
     def include_usage(self) -> bool:
@@ -127,6 +143,8 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start}: {e.reason})") from e
     except ValueError as e:  # JSONDecodeError, and NaN / Infinity
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise InvalidRequest("request body is nested too deeply") from e
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:

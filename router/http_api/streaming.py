@@ -10,6 +10,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from engine.stop import StopReason
+from pdserve import wire
 from pdserve.v1 import generation_pb2 as pb
 from router.errors import RouterError, status_of
 from router.gateway import Run
@@ -54,7 +56,8 @@ async def sse_events(run: Run, responder: Responder, include_usage: bool) -> Asy
         usage = pb.Usage()
         async for message in run.messages():
             if message.text or message.finish_reason:
-                yield sse(responder.chunk(message.text, message.finish_reason or None))
+                stop_reason = wire.stop_reason_of(message)
+                yield sse(responder.chunk(message.text, message.finish_reason or None, stop_reason))
             if message.HasField("usage"):
                 usage = message.usage
         if include_usage:
@@ -67,13 +70,14 @@ async def sse_events(run: Run, responder: Responder, include_usage: bool) -> Asy
         run.close()
 
 
-async def collect(run: Run) -> tuple[str, str, pb.Usage]:
-    """The whole completion: (text, finish reason, usage)."""
+async def collect(run: Run) -> tuple[str, str, StopReason, pb.Usage]:
+    """The whole completion: (text, finish reason, stop reason, usage)."""
     pieces: list[str] = []
-    finish_reason, usage = "", pb.Usage()
+    finish_reason, stop_reason, usage = "", None, pb.Usage()
     async for message in run.messages():
         pieces.append(message.text)
         finish_reason = message.finish_reason or finish_reason
+        stop_reason = wire.stop_reason_of(message)  # the last message's
         if message.HasField("usage"):
             usage = message.usage
-    return "".join(pieces), finish_reason, usage
+    return "".join(pieces), finish_reason, stop_reason, usage

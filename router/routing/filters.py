@@ -30,6 +30,14 @@ class PrefillBudget:
 
 
 @dataclass(frozen=True, slots=True)
+class NotExcluded:
+    """Not a worker the request was already lost on (a migrated request moves elsewhere)."""
+
+    def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
+        return worker.worker_id not in ticket.excluded_decode_ids
+
+
+@dataclass(frozen=True, slots=True)
 class KVFits:
     """The decode worker has free blocks for the request's prompt and output reserve."""
 

@@ -1,12 +1,13 @@
 """The named routing policies (PDSERVE_ROUTING_POLICY), each a prefill and a decode policy.
-All apply the same filters (context fits, prefill token budget, decode KV room); they differ
-only in how they choose among the workers that pass."""
+All apply the same filters (context fits, prefill token budget, decode KV room, not a decode
+worker the request was lost on); they differ only in how they choose among the workers that
+pass."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.routing.filters import ContextFits, KVFits, PrefillBudget
+from router.routing.filters import ContextFits, KVFits, NotExcluded, PrefillBudget
 from router.routing.framework import Filter, Policy, Scorer
 from router.routing.pickers import LowestCost, PrefixHash, RoundRobin
 from router.routing.scorers import KVUsage, RunningRequests, Watermark
@@ -24,7 +25,7 @@ def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> Ro
         ContextFits(),
         PrefillBudget(admission.prefill_token_budget),
     )
-    decode_filters: tuple[Filter, ...] = (ContextFits(), KVFits())
+    decode_filters: tuple[Filter, ...] = (ContextFits(), NotExcluded(), KVFits())
     if routing.policy == "watermark":
         prefill_scorers: tuple[tuple[float, Scorer], ...] = (
             (1.0, Watermark(routing.watermark_a, routing.watermark_b)),

@@ -4,6 +4,7 @@ its own event loop thread for the cluster tests."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,3 +101,20 @@ class InProcessRouter:
         self.call(self.server.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+def spanning_stop(pieces: list[str], num_tokens: int) -> tuple[str, int, int]:
+    """From a greedy run's per-token text pieces: a stop string that starts inside one token's
+    text and ends inside the text of the token num_tokens - 1 later, and occurs first there.
+    Returns (stop, its start in the text, the index of the token that completes it)."""
+    text = "".join(pieces)
+    ends = list(itertools.accumulate(len(p) for p in pieces))
+    for first in range(len(pieces) - num_tokens + 1):
+        span = pieces[first : first + num_tokens]
+        if len(span[0]) < 2 or len(span[-1]) < 2 or not all(span):
+            continue
+        start = ends[first] - 1  # the first token's last character ... the last one's first
+        stop = text[start : ends[first + num_tokens - 2] + 1]
+        if text.find(stop) == start:
+            return stop, start, first + num_tokens - 1
+    raise AssertionError(f"no stop string spans {num_tokens} tokens of {pieces}")
