@@ -336,5 +336,10 @@ def up(
     raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))
 
 
+from sim.cli import app as sim_app  # noqa: E402 (light: each study imports its own modules)
+
+app.add_typer(sim_app, name="sim", help="Cluster simulator (docs/simulator.md).")
+
+
 if __name__ == "__main__":
     app()

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 Shape = Literal["prefill_mix", "sharegpt", "summarisation", "fixed"]
 
 
@@ -69,20 +71,20 @@ class RequestSource:
     shared_prefix_tokens: int = 0
     _count: int = 0
     _lengths: random.Random = field(init=False)
-    _tokens: random.Random = field(init=False)
+    _tokens: np.random.Generator = field(init=False)
     _prefix: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._lengths = random.Random(self.seed)
-        self._tokens = random.Random(self.seed + 1_000_003)
+        self._tokens = np.random.default_rng(self.seed + 1_000_003)
         low, high = self.mix.vocab
-        self._prefix = [self._tokens.randint(low, high) for _ in range(self.shared_prefix_tokens)]
+        self._prefix = self._tokens.integers(low, high, self.shared_prefix_tokens).tolist()
 
     def next(self, client: int = 0) -> SimRequest:
         num_prompt, num_output = self.mix.draw(self._lengths)
         low, high = self.mix.vocab
         num_body = max(0, num_prompt - len(self._prefix))
-        body = [self._tokens.randint(low, high) for _ in range(num_body)]
+        body = self._tokens.integers(low, high, num_body).tolist()
         prompt = (self._prefix + body)[:num_prompt] if self._prefix else body
         request = SimRequest(f"r{self._count:06d}", prompt, num_output, client)
         self._count += 1

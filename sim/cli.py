@@ -1,0 +1,86 @@
+"""`pdserve sim ...`: the simulator's studies; each prints a table, writes JSON and PNG plots
+into --out, and prints one JSON line last."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(help="Cluster simulator: the real router and scheduler on a virtual clock.",
+                  no_args_is_help=True)  # fmt: skip
+Out = Annotated[str, typer.Option(help="Folder for JSON and plots; default: a new temp dir.")]
+Seed = Annotated[int, typer.Option(help="Workload seed.")]
+
+
+def _out_dir(out: str, name: str) -> Path:
+    path = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"pdserve-sim-{name}-"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _finish(out_dir: Path, name: str, table: str, result: dict[str, Any]) -> None:
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    typer.echo(table)
+    typer.echo(f"(JSON and plots in {out_dir})")
+    typer.echo(json.dumps(result))
+
+
+@app.command("seed-study")
+def seed_study(
+    requests: Annotated[int, typer.Option(help="Requests per step.")] = 1200,
+    seed: Seed = 0,
+    out: Out = "",
+) -> None:
+    """The published prefill-tuning steps on 8 simulated GPUs, one of them ~2x slower."""
+    from sim import seed_study as study
+
+    out_dir = _out_dir(out, "seed-study")
+    result = study.run(requests, seed, out_dir)
+    _finish(out_dir, "seed-study", study.table(result), result)
+
+
+@app.command()
+def goodput(
+    gpus: Annotated[int, typer.Option(help="GPUs per cluster (two per worker).")] = 8,
+    requests: Annotated[int, typer.Option(help="Requests per simulated rate.")] = 300,
+    seed: Seed = 0,
+    out: Out = "",
+) -> None:
+    """PD-disaggregated vs colocated at equal GPU count: the highest rate meeting the SLOs."""
+    from sim import goodput as study
+
+    out_dir = _out_dir(out, "goodput")
+    result = study.run(gpus, requests, seed)
+    _finish(out_dir, "goodput", study.table(result), result)
+
+
+@app.command()
+def scale(
+    sizes: Annotated[str, typer.Option(help="Worker counts, comma-separated.")] = "8,16,32,64",
+    seed: Seed = 0,
+    out: Out = "",
+) -> None:
+    """8 -> 64 workers: the router's measured CPU per request, and admission fairness."""
+    from sim import scale as study
+
+    out_dir = _out_dir(out, "scale")
+    result = study.run(tuple(int(n) for n in sizes.split(",")), seed)
+    _finish(out_dir, "scale", study.table(result), result)
+
+
+@app.command()
+def validate(
+    requests: Annotated[int, typer.Option(help="Requests per real run.")] = 24,
+    seed: Seed = 0,
+    out: Out = "",
+) -> None:
+    """Predict real `pdserve up` runs (1P+1D, then 2P+1D) with the local cost model."""
+    from sim import validate as study
+
+    out_dir = _out_dir(out, "validate")
+    result = study.run(requests, seed, out_dir)
+    _finish(out_dir, "validate", study.table(result), result)
