@@ -103,13 +103,14 @@ class InProcessRouter:
         self._thread.join(timeout=10)
 
 
-def spanning_stop(pieces: list[str], num_tokens: int) -> tuple[str, int, int]:
+def spanning_stop(pieces: list[str], num_tokens: int, from_token: int = 0) -> tuple[str, int, int]:
     """From a greedy run's per-token text pieces: a stop string that starts inside one token's
-    text and ends inside the text of the token num_tokens - 1 later, and occurs first there.
-    Returns (stop, its start in the text, the index of the token that completes it)."""
+    text (from_token or later) and ends inside the text of the token num_tokens - 1 later, and
+    occurs first there. Returns (stop, its start in the text, the index of the token that
+    completes it)."""
     text = "".join(pieces)
     ends = list(itertools.accumulate(len(p) for p in pieces))
-    for first in range(len(pieces) - num_tokens + 1):
+    for first in range(from_token, len(pieces) - num_tokens + 1):
         span = pieces[first : first + num_tokens]
         if len(span[0]) < 2 or len(span[-1]) < 2 or not all(span):
             continue

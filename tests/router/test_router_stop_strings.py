@@ -115,8 +115,9 @@ def test_http_stream_never_carries_part_of_the_stop(cluster, references, api, nu
                           timeout=120)  # fmt: skip
     assert response.status_code == 200, response.text
     choices = [c for chunk in sse_chunks(response) for c in chunk["choices"]]
-    assert "".join(chunk_text(c) for c in choices) == (
-        ref.text[: start + len(stop) if include else start]
+    assert (
+        "".join(chunk_text(c) for c in choices)
+        == (ref.text[: start + len(stop) if include else start])
     )
     reasons = [(c["finish_reason"], c["stop_reason"]) for c in choices]
     assert reasons == [(None, None)] * (len(choices) - 1) + [("stop", stop)]
