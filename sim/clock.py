@@ -48,5 +48,11 @@ def run_virtual(main: Coroutine[Any, Any, T]) -> T:
     try:
         return loop.run_until_complete(main)
     finally:
+        # As asyncio.run: what a failed run left pending is cancelled, not leaked.
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()

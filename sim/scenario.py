@@ -121,17 +121,21 @@ def _per_worker(done: list[Record], pool: list[str]) -> dict[str, int]:
     return counts
 
 
-def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None) -> Result:
+def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None,
+             source: RequestSource | None = None) -> Result:  # fmt: skip
+    """source: the requests to send (default: drawn from the scenario's mix and seed)."""
     started = time.perf_counter()
 
     async def main() -> Result:
         sim = Simulation(scenario.cluster, cost, cores)
         sim.start()
-        source = RequestSource(scenario.mix, scenario.seed, scenario.shared_prefix_tokens)
+        requests = source or RequestSource(
+            scenario.mix, scenario.seed, scenario.shared_prefix_tokens
+        )
         if isinstance(scenario.load, ClosedLoop):
-            await sim.run_closed(scenario.load, source)
+            await sim.run_closed(scenario.load, requests)
         else:
-            await sim.run_open(scenario.load, source, scenario.seed)
+            await sim.run_open(scenario.load, requests, scenario.seed)
         end_s = asyncio.get_running_loop().time()
         await asyncio.sleep(DRAIN_S)
         await sim.stop()

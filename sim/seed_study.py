@@ -75,14 +75,16 @@ def run(num_requests: int = 1200, seed: int = 0, plots_dir: Path | None = None) 
         scenario = Scenario(f"seed-{step}", step_config(step, num_blocks), mix,
                             ClosedLoop(CONCURRENCY, num_requests), seed)  # fmt: skip
         results[step] = simulate(scenario, cost)
-    ablation = priority_ablation(cost, num_blocks, seed)
+    ablation = priority_ablation(cost, num_blocks, seed, duration_s=max(20.0, num_requests / 10))
     if plots_dir is not None:
         for result in [*results.values(), *ablation.values()]:
             plot_all(result, plots_dir)
     return report(results, ablation, cost, num_blocks)
 
 
-def priority_ablation(cost: RooflineCost, num_blocks: int, seed: int) -> dict[str, Result]:
+def priority_ablation(
+    cost: RooflineCost, num_blocks: int, seed: int, duration_s: float = 120.0
+) -> dict[str, Result]:
     """The final step's cluster, open loop near its capacity, with bursts of 24 long prompts
     (2048-4096 tokens) arriving together: FIFO admission vs short-before-long buckets."""
     out = {}
@@ -90,8 +92,9 @@ def priority_ablation(cost: RooflineCost, num_blocks: int, seed: int) -> dict[st
     for mode in ("fifo", "length_aware"):
         config = step_config("kv_reclaim", num_blocks)
         config = replace(config, admission=replace(config.admission, mode=mode))
-        load = OpenLoop(rate_per_s=8.0, duration_s=120.0, bursts_s=(20.0, 50.0, 80.0),
-                        burst_size=24, burst_mix=burst)  # fmt: skip
+        bursts = tuple(t for t in (20.0, 50.0, 80.0) if t < duration_s) or (duration_s / 2,)
+        load = OpenLoop(rate_per_s=8.0, duration_s=duration_s, bursts_s=bursts, burst_size=24,
+                        burst_mix=burst)  # fmt: skip
         scenario = Scenario(f"seed-priority-{mode}", config, LengthMix("prefill_mix"), load, seed)
         out[mode] = simulate(scenario, cost)
     return out
