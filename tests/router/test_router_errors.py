@@ -4,6 +4,7 @@ key, malformed and invalid requests, limits, oversized bodies."""
 from __future__ import annotations
 
 import json
+import math
 
 import grpc
 import httpx
@@ -94,6 +95,19 @@ HTTP_ERRORS = [
     case("oversized-body", body(prompt="x" * MAX_BODY_BYTES), 413, None, None,
          "request body of 32"),
     case("unknown-path", b"", 404, None, None, "POST /v1/nowhere: Not Found", path="/v1/nowhere"),
+    # Hostile values a fuzzer finds (test_router_fuzz.py searches for more).
+    case("top-k-2-to-the-63", body(top_k=2**63), 400, "top_k", None,
+         "top_k: Input should be less than 4294967296"),
+    case("max-tokens-2-to-the-70", body(max_tokens=2**70), 400, "max_tokens", LONG,
+         "this model's maximum context length is 8192 tokens"),
+    case("infinite-temperature", body()[:-1] + b', "temperature": 1e400}', 400, "temperature",
+         None, "temperature: Input should be a finite number"),
+    case("nan-top-p", body()[:-1] + b', "top_p": NaN}', 400, None, None,
+         "request body is not valid JSON: NaN is not a JSON number"),
+    case("deeply-nested", body()[:-1] + b', "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+         400, None, None, "request body is nested too deeply"),
+    case("lone-surrogate-stop", body(stop=["\ud800"]), 400, "stop", None,
+         "stop: Value error, stop strings must be valid Unicode"),
 ]  # fmt: skip
 
 
@@ -139,6 +153,9 @@ GRPC_ERRORS = [
                  id="zero-max-tokens"),
     pytest.param(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 65)), WITH_KEY,
                  grpc.StatusCode.INVALID_ARGUMENT, "prompt has 65 tokens", id="over-long-prompt"),
+    pytest.param(pb.GenerateRequest(text="Hi", params=pb.SamplingParams(temperature=math.nan)),
+                 WITH_KEY, grpc.StatusCode.INVALID_ARGUMENT, "temperature and top_p must be finite",
+                 id="nan-temperature"),
 ]  # fmt: skip
 
 
