@@ -11,6 +11,7 @@ from .chart import (
     NAMESPACE,
     RELEASE,
     ROOT,
+    HelmFailed,
     component,
     container,
     env_by_name,
@@ -243,7 +244,8 @@ def test_container_args_and_ports(default_docs):
 def test_settings_configmap_and_env(default_docs, all_on_docs):
     assert find(default_docs, "ConfigMap", "rel-pdserve-config")["data"] == {
         "PDSERVE_MODEL": "smollm2-135m",
-        "PDSERVE_DTYPE": "bfloat16",
+        "PDSERVE_DTYPE": "auto",
+        "PDSERVE_ATTENTION_BACKEND": "auto",
         "PDSERVE_KV_BACKEND": "auto",
         "PDSERVE_CHUNK_SIZE": "1024",
         "PDSERVE_DRAIN_GRACE_S": "60",
@@ -332,6 +334,61 @@ def test_gpus_and_placement_per_pool(helm, default_docs, all_on_docs):
     assert pod_spec(find(all_on_docs, "Deployment", component("decode")))["nodeSelector"] == {
         "pdserve.io/gpu-pool": "bandwidth"
     }
+
+
+DEVICE_ENV = (
+    "PDSERVE_DEVICE",
+    "PDSERVE_CUDA_GRAPHS",
+    "CUDA_CACHE_PATH",
+    "FLASHINFER_WORKSPACE_BASE",
+)
+GPU_POOL_ENV = {
+    "PDSERVE_DEVICE": "cuda",
+    "PDSERVE_CUDA_GRAPHS": "true",
+    "CUDA_CACHE_PATH": "/cache/nv",
+    "FLASHINFER_WORKSPACE_BASE": "/cache",
+}
+
+
+def device_env(docs, role: str) -> dict[str, str]:
+    env = env_by_name(find(docs, "Deployment", component(role)))
+    return {name: env[name]["value"] for name in DEVICE_ENV if name in env}
+
+
+def test_the_device_env_of_both_pools_follows_their_gpus(helm, default_docs, all_on_docs):
+    for pool in WORKERS:
+        assert device_env(default_docs, pool) == GPU_POOL_ENV
+    assert device_env(default_docs, "router") == {}
+    # all-on: prefill pods get 2 GPUs and are pinned to the second.
+    assert device_env(all_on_docs, "prefill") == GPU_POOL_ENV | {"PDSERVE_DEVICE": "cuda:1"}
+    assert device_env(all_on_docs, "decode") == GPU_POOL_ENV
+
+    cpu_decode = helm.template(set_values=("decode.gpus=0", "decode.cudaGraphs=false"))
+    assert device_env(cpu_decode, "decode") == {
+        "PDSERVE_DEVICE": "cpu",
+        "PDSERVE_CUDA_GRAPHS": "false",
+    }
+    assert device_env(cpu_decode, "prefill") == GPU_POOL_ENV
+
+
+@pytest.mark.parametrize(
+    ("set_values", "error"),
+    [
+        (
+            ("decode.gpus=0", "decode.device=cuda"),
+            "decode.device=cuda needs decode.gpus >= 1 (the pod would see no GPU)",
+        ),
+        (
+            ("prefill.device=cuda:1",),
+            "prefill.device=cuda:1, but the pod gets 1 GPU(s), numbered cuda:0..cuda:0",
+        ),
+        (("decode.device=gpu",), "at '/decode/device': 'gpu' does not match pattern"),
+    ],
+)
+def test_a_device_the_pod_cannot_have_fails_the_render(helm, set_values, error):
+    with pytest.raises(HelmFailed) as failure:
+        helm.template(set_values=set_values)
+    assert error in failure.value.stderr
 
 
 WORKLOADS = [("Deployment", role) for role in ROLES] + [("StatefulSet", "redis")]

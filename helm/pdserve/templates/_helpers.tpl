@@ -165,6 +165,37 @@ writable cache paths, the Secrets, and per-role overrides (env wins over envFrom
 - name: PDSERVE_NUM_BLOCKS
   value: {{ .values.numBlocks | toString | quote }}
 {{- end }}
+{{- if hasKey .values "gpus" }}
+{{- include "pdserve.deviceEnv" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+A worker pool's device: PDSERVE_DEVICE (empty `device` follows `gpus`), CUDA graphs, and the
+caches CUDA and FlashInfer's JIT write (the root filesystem is read-only; /cache is writable).
+*/}}
+{{- define "pdserve.deviceEnv" -}}
+{{- $gpus := int (.values.gpus | default 0) }}
+{{- $device := .values.device | default (ternary "cuda" "cpu" (gt $gpus 0)) }}
+{{- if and (hasPrefix "cuda" $device) (eq $gpus 0) }}
+{{- fail (printf "%s.device=%s needs %s.gpus >= 1 (the pod would see no GPU)" .component $device .component) }}
+{{- end }}
+{{- if hasPrefix "cuda:" $device }}
+{{- $index := int (trimPrefix "cuda:" $device) }}
+{{- if ge $index $gpus }}
+{{- fail (printf "%s.device=%s, but the pod gets %d GPU(s), numbered cuda:0..cuda:%d" .component $device $gpus (sub $gpus 1)) }}
+{{- end }}
+{{- end }}
+- name: PDSERVE_DEVICE
+  value: {{ $device | quote }}
+- name: PDSERVE_CUDA_GRAPHS
+  value: {{ .values.cudaGraphs | default false | toString | quote }}
+{{- if gt $gpus 0 }}
+- name: CUDA_CACHE_PATH
+  value: /cache/nv
+- name: FLASHINFER_WORKSPACE_BASE
+  value: /cache
+{{- end }}
 {{- end }}
 
 {{/* Whether a role gets a Secret in its environment: (dict "ctx" $ "apiKey" bool) */}}
