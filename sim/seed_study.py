@@ -85,8 +85,9 @@ def run(num_requests: int = 1200, seed: int = 0, plots_dir: Path | None = None) 
 def priority_ablation(
     cost: RooflineCost, num_blocks: int, seed: int, duration_s: float = 120.0
 ) -> dict[str, Result]:
-    """The final step's cluster, open loop near its capacity, with bursts of 24 long prompts
-    (2048-4096 tokens) arriving together: FIFO admission vs short-before-long buckets."""
+    """The final step's cluster, Poisson at 8 req/s, plus bursts of 24 prompts of 4,096 tokens
+    arriving together: FIFO admission vs short-before-long buckets (the router's defaults:
+    short < 512, long > 2048, aging 5 s / 20 s)."""
     out = {}
     burst = LengthMix("fixed", prompt_tokens=4096, output_tokens=(32, 128))
     for mode in ("fifo", "length_aware"):
