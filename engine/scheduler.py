@@ -63,6 +63,10 @@ class Scheduler:
                     request.num_cached_tokens = request.num_computed_tokens
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._can_admit(request, num_new):
+                # A waiting request holds no blocks: keeping its prefix hits while it waits
+                # would let several waiting heads pin every block, and nothing run again.
+                self.kv.free(request)
+                request.num_computed_tokens = 0
                 break
             self.kv.allocate_slots(request, num_new)
             self.waiting.popleft()

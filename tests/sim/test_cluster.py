@@ -9,7 +9,6 @@ import pytest
 
 from engine import EngineConfig
 from router.settings import AdmissionSettings
-from sim.clock import SimulationStalled
 from sim.cluster import ClusterConfig
 from sim.scenario import Scenario, simulate
 from sim.worker import WorkerSpec
@@ -102,12 +101,9 @@ def test_the_engine_scheduler_preempts_when_the_block_pool_is_tiny(
     assert summary["num_preemptions"] == num_preemptions
 
 
-@pytest.mark.xfail(strict=True, raises=SimulationStalled, reason=(
-    "engine bug the simulator found: a preempted request at the head of `waiting` re-claims "
-    "its cached prefix blocks in Scheduler.schedule (match_prefix) and keeps them when it "
-    "cannot be admitted; several such heads hold every block and nothing runs again"
-))  # fmt: skip
 def test_preemption_with_the_prefix_cache_on_does_not_deadlock(cost: LinearCost):
+    """Found by the simulator: a waiting head that could not be admitted kept the prefix hits
+    it had claimed, and several such heads pinned every block (Scheduler.schedule)."""
     config = replace(_tiny_pool(20, caching=True), max_sim_s=100.0)
     summary = simulate(Scenario("tiny", config, LONG_OUTPUT, ClosedLoop(4, 8)), cost).summary()
     assert summary["completed"] == 8
