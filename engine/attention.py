@@ -1,15 +1,20 @@
-"""Attention backends over the paged KV cache: torch SDPA (CPU, any device) and flash-attn (CUDA).
+"""Attention over the paged KV cache: the step layout every backend plans from, the backend
+interface, torch SDPA (CPU and any device), and the choice of backend with its reason.
 
 KV cache memory map (one tensor per worker, block-major so that one block of every layer is
 one contiguous byte range, which is what the KV transfer moves):
     kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+A layer's view kv_cache[:, i] is [num_blocks, 2, block_size, num_kv_heads, head_dim] with a page
+stride of num_layers pages: the paged kernels (FlashInfer, flash-attn) read it in place.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,38 +23,117 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillSegment:
-    """A run of query tokens of one request: tokens [token_start, token_end) of this step are
-    its positions [context_start, context_start + n)."""
+class AttentionSpec:
+    """What a backend is built for: the model's heads, the cache's pages, dtype and device."""
 
-    token_start: int
-    token_end: int
-    context_start: int
-    block_table: torch.Tensor  # [num_blocks_of_request] int64
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Host-side shape of one step, built once by the runner. Request i's queries are the step's
+    tokens [query_starts[i], query_starts[i] + query_lens[i]); after the step its KV holds
+    context_lens[i] tokens (the new ones included) in block_tables[i]."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]  # ceil(context_len / block_size) blocks each
+    query_starts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        starts, total = [], 0
+        for n in self.query_lens:
+            starts.append(total)
+            total += n
+        object.__setattr__(self, "query_starts", starts)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    def is_decode(self, i: int) -> bool:
+        """One new token after existing context: the single-query path."""
+        return self.query_lens[i] == 1 and self.context_lens[i] > 1
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(self.is_decode(i) for i in range(self.num_requests))
+
+    @property
+    def max_num_blocks(self) -> int:
+        return max((len(t) for t in self.block_tables), default=0)
+
+    def padded(self, batch_size: int, pad_block: int) -> StepLayout:
+        """The layout with decode rows appended up to batch_size: each reads and writes one slot
+        of pad_block, a block outside the pool, so padding never touches a request's KV."""
+        num_pad = batch_size - self.num_requests
+        assert num_pad >= 0, (batch_size, self.num_requests)
+        return StepLayout(
+            self.query_lens + [1] * num_pad,
+            self.context_lens + [1] * num_pad,
+            self.block_tables + [[pad_block]] * num_pad,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
+    """What every layer reads: where the step's new K/V go, and the backend's plan."""
+
     slot_block_ids: torch.Tensor  # [T] block of each new token's KV
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    prefills: list[PrefillSegment]
-    decode_token_ids: torch.Tensor  # [B] which of the T tokens are single-token decodes
-    decode_block_tables: torch.Tensor  # [B, max_blocks] padded with block 0
-    decode_context_lens: torch.Tensor  # [B] tokens of context, the new one included
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True = attend
+    plan: object  # the backend's own per-step state (built once, read by every layer)
+
+
+class BackendUnusableError(RuntimeError):
+    """A backend cannot serve this spec here (missing package, dtype, page size, failed check)."""
 
 
 class AttentionBackend(ABC):
+    """One call per layer covers the whole step; plan() does the per-step host work once."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def plan(self, layout: StepLayout) -> object:
+        """Per-step state for forward(), built once per step on the host."""
+
     @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         layer_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        plan: object,
         new_k: torch.Tensor,  # [T, num_kv_heads, head_dim], already written to layer_cache
         new_v: torch.Tensor,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+    # ---- CUDA graphs: a decode plan whose tensors stay at one address between replays
+
+    def graph_width(self, num_blocks: int, max_blocks: int) -> int:
+        """Block-table width of the captured graph that a decode step needing num_blocks per
+        request replays. Paged kernels read each row only up to its length: one width."""
+        return max_blocks
+
+    @abstractmethod
+    def static_plan(self, batch_size: int, width: int) -> object:
+        """A decode plan for exactly batch_size rows and block tables of this width."""
+
+    @abstractmethod
+    def update_static_plan(self, plan: object, layout: StepLayout) -> None:
+        """Rewrite a static plan in place for this (already padded) decode layout."""
 
 
 def write_kv(layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor):
@@ -67,12 +151,78 @@ def gather_kv(
     return k, v
 
 
-class TorchSDPABackend(AttentionBackend):
-    """Prefill segments one at a time; all decode tokens of the step in one padded SDPA call."""
+def to_device(values: Sequence | torch.Tensor, device: torch.device, dtype=torch.long):
+    """Host ints -> device tensor. On CUDA the copy goes through pinned memory, non-blocking,
+    so building a step's metadata never waits for the GPU to drain."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
-    def forward(self, q, layer_cache, meta, new_k, new_v):
+
+# ---- torch SDPA -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    """A run of query tokens of one request: tokens [token_start, token_end) of this step are
+    its positions [context_start, context_start + n)."""
+
+    token_start: int
+    token_end: int
+    context_start: int
+    block_table: torch.Tensor  # [num_blocks_of_request] int64
+
+
+@dataclass(frozen=True, slots=True)
+class SDPAPlan:
+    prefills: list[PrefillSegment]
+    decode_token_ids: torch.Tensor  # [B] which of the T tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # [B, max_blocks] padded (the mask hides the padding)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True = attend
+    num_decodes: int  # B, known on the host
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Prefill segments one at a time; all decode tokens of the step in one padded SDPA call.
+    Decode gathers each request's blocks: exact everywhere, the fallback on CUDA."""
+
+    name = "sdpa"
+
+    def plan(self, layout: StepLayout) -> SDPAPlan:
+        device, bs = self.spec.device, self.spec.block_size
+        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+        for i, start in enumerate(layout.query_starts):
+            table, context = layout.block_tables[i], layout.context_lens[i]
+            if layout.is_decode(i):
+                decode_rows.append(start)
+                decode_tables.append(table)
+                decode_lens.append(context)
+            else:
+                n = layout.query_lens[i]
+                segment = PrefillSegment(start, start + n, context - n, to_device(table, device))
+                prefills.append(segment)
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        # Padding points at block 0; the mask hides it.
+        tables = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+        mask = None
+        if decode_rows:
+            lens = torch.tensor(decode_lens, dtype=torch.long)
+            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
+            mask = to_device(mask[:, None, None, :], device)
+        return SDPAPlan(
+            prefills=prefills,
+            decode_token_ids=to_device(decode_rows, device),
+            decode_block_tables=to_device(tables, device)
+            if tables
+            else torch.empty(0, 0, dtype=torch.long, device=device),
+            decode_mask=mask,
+            num_decodes=len(decode_rows),
+        )
+
+    def forward(self, q, layer_cache, plan, new_k, new_v):
         out = torch.empty_like(q)
-        for seg in meta.prefills:
+        for seg in plan.prefills:
             n = seg.token_end - seg.token_start
             # SDPA's fast CPU kernel takes 4-D [batch, heads, tokens, dim] only; 3-D input falls
             # back to the unfused math path (5x slower at 1,024 tokens).
@@ -92,17 +242,45 @@ class TorchSDPABackend(AttentionBackend):
                     q_seg, _heads_first(k), _heads_first(v), attn_mask=mask, enable_gqa=True
                 )
             out[seg.token_start : seg.token_end] = o[0].transpose(0, 1)
-        if meta.decode_token_ids.numel():
+        if plan.num_decodes:
             # Gather K and V separately: each comes out as one copy, already [B, L, Hkv, D].
-            tables = meta.decode_block_tables
+            tables = plan.decode_block_tables
             k = layer_cache[:, 0][tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
             v = layer_cache[:, 1][tables].flatten(1, 2).transpose(1, 2)
-            q_dec = q[meta.decode_token_ids].unsqueeze(2)  # [B, H, 1, D]
+            q_dec = q[plan.decode_token_ids].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(
-                q_dec, k, v, attn_mask=meta.decode_mask, enable_gqa=True
+                q_dec, k, v, attn_mask=plan.decode_mask, enable_gqa=True
             )
-            out[meta.decode_token_ids] = o.squeeze(2)
+            out[plan.decode_token_ids] = o.squeeze(2)
         return out
+
+    def graph_width(self, num_blocks: int, max_blocks: int) -> int:
+        # The gather reads the whole table width: widths grow in powers of two, so a short
+        # context never pays for the longest one (one graph per batch size and width).
+        width = 16
+        while width < num_blocks:
+            width *= 2
+        return min(width, max_blocks)
+
+    def static_plan(self, batch_size: int, width: int) -> SDPAPlan:
+        device, bs = self.spec.device, self.spec.block_size
+        return SDPAPlan(
+            prefills=[],
+            decode_token_ids=torch.arange(batch_size, device=device),
+            decode_block_tables=torch.zeros(batch_size, width, dtype=torch.long, device=device),
+            decode_mask=torch.zeros(batch_size, 1, 1, width * bs, dtype=torch.bool, device=device),
+            num_decodes=batch_size,
+        )
+
+    def update_static_plan(self, plan: SDPAPlan, layout: StepLayout) -> None:
+        width = plan.decode_block_tables.shape[1]
+        # Past each row's own blocks the table repeats its last block; the mask hides them.
+        tables = [t + [t[-1]] * (width - len(t)) for t in layout.block_tables]
+        lens = torch.tensor(layout.context_lens, dtype=torch.long)
+        positions = torch.arange(width * self.spec.block_size).unsqueeze(0)
+        plan.decode_block_tables.copy_(to_device(tables, plan.decode_block_tables.device))
+        mask = (positions < lens.unsqueeze(1))[:, None, None, :]
+        plan.decode_mask.copy_(to_device(mask, plan.decode_mask.device))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -110,56 +288,100 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-class FlashAttnBackend(AttentionBackend):
-    """CUDA path: gathers each request's context and runs one varlen flash-attn call for the
-    whole step. (flash-attn's own paged kernel needs pages of 256 tokens; ours are smaller.)"""
-
-    def __init__(self) -> None:
-        from flash_attn import flash_attn_varlen_func
-
-        self.varlen = flash_attn_varlen_func
-
-    def forward(self, q, layer_cache, meta, new_k, new_v):
-        queries, keys, values, q_lens, k_lens = [], [], [], [], []
-        for seg in meta.prefills:
-            n = seg.token_end - seg.token_start
-            k, v = gather_kv(layer_cache, seg.block_table, seg.context_start + n)
-            queries.append(q[seg.token_start : seg.token_end])
-            keys.append(k)
-            values.append(v)
-            q_lens.append(n)
-            k_lens.append(seg.context_start + n)
-        for row, token in enumerate(meta.decode_token_ids.tolist()):
-            total = int(meta.decode_context_lens[row])
-            k, v = gather_kv(layer_cache, meta.decode_block_tables[row], total)
-            queries.append(q[token : token + 1])
-            keys.append(k)
-            values.append(v)
-            q_lens.append(1)
-            k_lens.append(total)
-        device = q.device
-        cu_q = F.pad(torch.tensor(q_lens, device=device).cumsum(0), (1, 0)).to(torch.int32)
-        cu_k = F.pad(torch.tensor(k_lens, device=device).cumsum(0), (1, 0)).to(torch.int32)
-        # causal=True aligns the mask bottom-right, as a query chunk after a cached prefix needs.
-        o = self.varlen(
-            torch.cat(queries), torch.cat(keys), torch.cat(values), cu_q, cu_k,
-            max(q_lens), max(k_lens), causal=True,
-        )  # fmt: skip
-        order = [t for seg in meta.prefills for t in range(seg.token_start, seg.token_end)]
-        order += meta.decode_token_ids.tolist()
-        out = torch.empty_like(q)
-        out[torch.tensor(order, device=device)] = o
-        return out
+# ---- choice -----------------------------------------------------------------------------------
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name in ("auto", "flash_attn") and device.type == "cuda":
+def _flashinfer(spec: AttentionSpec) -> AttentionBackend:
+    from engine.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend(spec)
+
+
+def _flash_attn(spec: AttentionSpec) -> AttentionBackend:
+    from engine.flash_attn_backend import FlashAttnBackend
+
+    return FlashAttnBackend(spec)
+
+
+# auto tries these in order on CUDA; SDPA always works and ends the list.
+_CUDA_BACKENDS: dict[str, Callable[[AttentionSpec], AttentionBackend]] = {
+    "flashinfer": _flashinfer,
+    "flash_attn": _flash_attn,
+}
+
+
+def select_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
+    """The backend for this setting, logging which one runs and why. A backend asked for by
+    name that cannot run is an error; auto falls through to the next one."""
+    if name == "sdpa":
+        log.info("attention backend: sdpa (asked for by attention_backend=sdpa)")
+        return TorchSDPABackend(spec)
+    if name in _CUDA_BACKENDS:
+        if spec.device.type != "cuda":
+            raise ValueError(f"attention_backend {name} needs a CUDA device, not {spec.device}")
+        backend = _CUDA_BACKENDS[name](spec)  # raises BackendUnusableError with its reason
+        log.info("attention backend: %s (asked for by attention_backend=%s)", name, name)
+        return backend
+    if spec.device.type != "cuda":
+        log.info("attention backend: sdpa (device %s; paged kernels are CUDA-only)", spec.device)
+        return TorchSDPABackend(spec)
+    reasons = []
+    for candidate, make in _CUDA_BACKENDS.items():
         try:
-            return FlashAttnBackend()
-        except ImportError as e:
-            if name == "flash_attn":
-                raise
-            log.info("flash_attn not importable (%s): using torch SDPA", e)
-    elif name == "flash_attn":
-        raise ValueError(f"attention_backend flash_attn needs a CUDA device, not {device}")
-    return TorchSDPABackend()
+            backend = make(spec)
+        except (BackendUnusableError, ImportError) as e:
+            reasons.append(f"{candidate}: {e}")
+            continue
+        log.info("attention backend: %s (auto; first to load and pass its self-check)", candidate)
+        return backend
+    log.warning(
+        "attention backend: sdpa (auto fell back; it gathers blocks per decode step): %s",
+        "; ".join(reasons),
+    )
+    return TorchSDPABackend(spec)
+
+
+def check_against_sdpa(backend: AttentionBackend, atol: float) -> None:
+    """Start-up self-check of a paged backend: one mixed step (a fresh prefill, a chunk after
+    cached context, a decode) and one decode-only step on a strided cache like the real one,
+    compared with SDPA. Raises BackendUnusableError on any difference above atol, so a kernel
+    that is wrong on this machine is never served."""
+    spec = backend.spec
+    reference = TorchSDPABackend(spec)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    num_blocks, bs = 8, spec.block_size
+    # Two layers: the layer view has the real cache's non-contiguous page stride.
+    shape = (num_blocks, 2, 2, bs, spec.num_kv_heads, spec.head_dim)
+    cache = torch.randn(shape, generator=generator).to(spec.device, spec.dtype)
+    layer = cache[:, 1]
+    layouts = [
+        StepLayout(
+            [5, 3, 1], [5, bs + 3, 2 * bs + 1], [[0], [1, 2], [3, 4, 5]]
+        ),  # fresh prefill, chunk after cache, decode
+        StepLayout([1, 1], [bs + 1, 3 * bs], [[6, 7], [3, 4, 5]]),  # decode only
+    ]
+    for layout in layouts:
+        num_tokens = sum(layout.query_lens)
+        q = torch.randn(num_tokens, spec.num_heads, spec.head_dim, generator=generator)
+        q = q.to(spec.device, spec.dtype)
+        # The fresh K/V of each request's queries, as the model passes them (already in cache).
+        new_k, new_v = _fresh_kv(layer, layout, bs)
+        got = backend.forward(q, layer, backend.plan(layout), new_k, new_v)
+        want = reference.forward(q, layer, reference.plan(layout), new_k, new_v)
+        error = (got.float() - want.float()).abs().max().item()
+        if not error <= atol:
+            raise BackendUnusableError(
+                f"self-check against SDPA failed: max abs error {error:.3g} > {atol} "
+                f"(layout {layout.query_lens}/{layout.context_lens})"
+            )
+
+
+def _fresh_kv(layer: torch.Tensor, layout: StepLayout, bs: int):
+    ks, vs = [], []
+    for i, n in enumerate(layout.query_lens):
+        context = layout.context_lens[i]
+        table = torch.tensor(layout.block_tables[i], device=layer.device)
+        k, v = gather_kv(layer, table, context)
+        ks.append(k[context - n :])
+        vs.append(v[context - n :])
+    return torch.cat(ks), torch.cat(vs)

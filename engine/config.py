@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -10,7 +11,45 @@ from typing import Literal
 from engine.errors import InvalidRequestError
 
 DType = Literal["float32", "bfloat16", "float16"]
+AttentionBackendName = Literal["auto", "sdpa", "flashinfer", "flash_attn"]
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 128, 2048
+# Decode steps are captured as CUDA graphs at these batch sizes (up to max_num_seqs); a step of n
+# decodes replays the smallest one >= n, the padding rows writing to a scratch block.
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 8), *range(272, 1025, 16))
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
+
+
+def resolve_device(spec: str) -> str:
+    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> the device the engine runs on ('cpu' or 'cuda:N').
+
+    auto takes CUDA when torch sees a GPU. A CUDA device that is not there is an error, never a
+    silent fall back to the CPU: a GPU pod running on its CPU is the failure this setting exists
+    to prevent."""
+    if not isinstance(spec, str) or not _DEVICE_PATTERN.fullmatch(spec):
+        raise InvalidRequestError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    import torch
+
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise InvalidRequestError(
+            f"device {spec} asked for, but torch {torch.__version__} sees no CUDA device "
+            f"(built with CUDA {torch.version.cuda}); use --device cpu or auto"
+        )
+    index = 0 if spec in ("auto", "cuda") else int(spec.split(":")[1])
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise InvalidRequestError(
+            f"device {spec} asked for, but torch sees {count} CUDA device(s): "
+            f"cuda:0..cuda:{count - 1}"
+        )
+    return f"cuda:{index}"
+
+
+def default_dtype(device: str) -> DType:
+    """bfloat16 on CUDA (tensor cores, half the KV bytes); float32 on CPUs, many of which lack
+    native bf16 (docs/engine.md)."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +95,10 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: DType = "float32"
-    device: str = "cpu"
+    # "auto" (the default) becomes default_dtype(device), and device "auto" becomes "cpu" or
+    # "cuda:N" in __post_init__: every reader of a config sees the resolved values.
+    dtype: DType | Literal["auto"] = "auto"
+    device: str = "auto"
     block_size: int = 16
     num_blocks: int = 1024
     # Per-step token budget: a long prompt is prefilled in chunks of at most this many tokens,
@@ -71,16 +112,41 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     max_model_len: int | None = None
-    attention_backend: Literal["auto", "sdpa", "flash_attn"] = "auto"
+    # auto: FlashInfer, then flash-attn, then torch SDPA, the first that loads and passes its
+    # start-up self-check on this device and dtype (the runner logs what it picked and why).
+    attention_backend: AttentionBackendName = "auto"
+    # Decode steps replay CUDA graphs (CUDA only; on the CPU this setting does nothing).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", default_dtype(device))
+        if self.attention_backend not in ("auto", "sdpa", "flashinfer", "flash_attn"):
+            raise InvalidRequestError(
+                "attention_backend must be auto, sdpa, flashinfer or flash_attn, got "
+                f"{self.attention_backend!r}"
+            )
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequestError(
                 f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {self.chunk_size}"
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16: {self.dtype}")
+            raise InvalidRequestError(
+                f"dtype must be auto, float32, bfloat16 or float16: {self.dtype}"
+            )
         if self.block_size <= 0 or self.num_blocks <= 0 or self.max_num_seqs <= 0:
             raise InvalidRequestError("block_size, num_blocks and max_num_seqs must be positive")
         if not 0.0 < self.watermark <= 1.0:
             raise InvalidRequestError(f"watermark must be in (0, 1], got {self.watermark}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Captured sizes: the standard ones below max_num_seqs, and max_num_seqs itself."""
+        sizes = [n for n in CUDA_GRAPH_BATCH_SIZES if n < self.max_num_seqs]
+        return (*sizes, self.max_num_seqs)

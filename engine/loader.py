@@ -70,6 +70,24 @@ def resolve_model(name_or_path: str) -> Path:
     raise UnknownModelError(name_or_path, sorted(BUNDLED_GGUF))
 
 
+def load_weights(
+    model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors, in dtype, on device. One tensor at a time
+    (read from the memory-mapped file, moved, then cast), so the device never holds a second,
+    full-precision copy of the model."""
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                weights[name] = f.get_tensor(name).to(device).to(dtype)
+    if not weights:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    return weights
+
+
 def _converted(gguf_path: Path, out_dir: Path) -> Path:
     if (out_dir / "model.safetensors").is_file():
         return out_dir

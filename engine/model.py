@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from engine.config import ModelConfig
@@ -47,18 +44,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        """Takes (pops) this layer's tensors out of w: the unfused copies are freed layer by
+        layer, so loading peaks near one model's size, not two (it matters on a GPU)."""
         self.cfg = cfg
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         # q, k, v and gate, up are fused: fewer, larger matmuls.
-        self.qkv_weight = torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+        self.qkv_weight = torch.cat([w.pop(f"{attn}.{p}_proj.weight") for p in "qkv"])
         self.qkv_bias = (
-            torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
+            torch.cat([w.pop(f"{attn}.{p}_proj.bias") for p in "qkv"])
+            if cfg.attention_bias
+            else None
         )
-        self.o_weight = w[f"{attn}.o_proj.weight"]
-        self.gate_up_weight = torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
-        self.down_weight = w[f"{mlp}.down_proj.weight"]
-        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
-        self.post_attn_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        self.o_weight = w.pop(f"{attn}.o_proj.weight")
+        gate_up = [w.pop(f"{mlp}.gate_proj.weight"), w.pop(f"{mlp}.up_proj.weight")]
+        self.gate_up_weight = torch.cat(gate_up)
+        self.down_weight = w.pop(f"{mlp}.down_proj.weight")
+        self.input_norm = w.pop(f"{prefix}.input_layernorm.weight")
+        self.post_attn_norm = w.pop(f"{prefix}.post_attention_layernorm.weight")
+
+    def tensors(self) -> list[torch.Tensor]:
+        weights = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
+        bias = [] if self.qkv_bias is None else [self.qkv_bias]
+        return [*weights, *bias, self.input_norm, self.post_attn_norm]
 
     def forward(
         self,
@@ -77,7 +84,7 @@ class DecoderLayer:
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), *rope)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         write_kv(layer_cache, meta, k, v)
-        o = attention.forward(q, layer_cache, meta, k, v)
+        o = attention.forward(q, layer_cache, meta.plan, k, v)
         x = x + F.linear(o.flatten(1), self.o_weight)
         h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
@@ -85,33 +92,43 @@ class DecoderLayer:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        """weights: Hugging Face names -> tensors already in dtype on device (engine.loader);
+        the dict is consumed."""
         self.cfg = cfg
-        weights = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
-            weights.update(load_file(str(path), device=str(device)))
-        if not weights:
-            raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
-        w = {name: t.to(dtype) for name, t in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.final_norm = w["model.norm.weight"]
+        w = weights
+        self.embed = w.pop("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+        w.pop("lm_head.weight", None)  # a tied checkpoint may still carry its copy
+        self.final_norm = w.pop("model.norm.weight")
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg, dtype, device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every weight and table the forward pass reads (to check where they live)."""
+        layers = [t for layer in self.layers for t in layer.tensors()]
+        rope = [self.rope.cos, self.rope.sin]
+        return [self.embed, self.lm_head, self.final_norm, *layers, *rope]
+
     @torch.inference_mode()
-    def forward(
+    def forward_hidden(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
         attention: AttentionBackend,
-        logit_rows: torch.Tensor,  # which of the T positions need logits
-    ) -> torch.Tensor:  # [len(logit_rows), vocab] float32
+    ) -> torch.Tensor:  # [T, hidden], before the final norm
         x = self.embed[input_ids]
         rope = self.rope.at(positions)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, rope, kv_cache[:, i], meta, attention)
-        h = rms_norm(x[logit_rows], self.final_norm, self.cfg.rms_norm_eps)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        h = rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -21,7 +21,13 @@ def _setup_logging(level: str) -> None:
 # Options every worker takes; envvar names match the Helm chart's ConfigMap.
 RedisUrl = Annotated[str, typer.Option(envvar="REDIS_URL", help="Worker registry.")]
 Model = Annotated[str, typer.Option(envvar="PDSERVE_MODEL", help="Model name, .gguf or HF dir.")]
-DType = Annotated[str, typer.Option(envvar="PDSERVE_DTYPE", help="float32 | bfloat16 | float16.")]
+DType = Annotated[
+    str,
+    typer.Option(
+        envvar="PDSERVE_DTYPE",
+        help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16.",
+    ),
+]
 Threads = Annotated[int, typer.Option(envvar="PDSERVE_THREADS", help="Torch threads; 0 = all.")]
 Host = Annotated[str, typer.Option(envvar="PDSERVE_HOST", help="Bind address.")]
 Advertise = Annotated[
@@ -44,6 +50,35 @@ MaxRpcs = Annotated[
         help="Requests in flight at once; past it: RESOURCE_EXHAUSTED at once.",
     ),
 ]
+
+
+def _check_device(value: str) -> str:
+    """A device that does not exist here fails at parse time, naming the devices there are."""
+    from engine.config import resolve_device
+    from engine.errors import InvalidRequestError
+
+    try:
+        resolve_device(value)
+    except InvalidRequestError as e:
+        raise typer.BadParameter(str(e)) from e
+    return value
+
+
+Device = Annotated[
+    str,
+    typer.Option(
+        envvar="PDSERVE_DEVICE", callback=_check_device,
+        help="auto (CUDA when torch sees a GPU) | cpu | cuda | cuda:N.",
+    ),
+]  # fmt: skip
+CudaGraphs = Annotated[
+    bool,
+    typer.Option(envvar="PDSERVE_CUDA_GRAPHS", help="Replay decode steps as CUDA graphs (CUDA)."),
+]
+Attention = Annotated[
+    str,
+    typer.Option(envvar="PDSERVE_ATTENTION_BACKEND", help="auto | flashinfer | flash_attn | sdpa."),
+]
 TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
 TlsKey = Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE", help="PEM private key.")]
 TlsCa = Annotated[
@@ -54,7 +89,8 @@ TlsCa = Annotated[
 def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, advertise_host,
                      metrics_port, worker_id, kv_backend, chunk_size, num_blocks, drain_grace_s,
                      registry_ttl_s, warmup, tls_cert_file, tls_key_file, tls_ca_file,
-                     max_concurrent_rpcs, max_num_seqs):  # fmt: skip
+                     max_concurrent_rpcs, max_num_seqs, device, cuda_graphs,
+                     attention_backend):  # fmt: skip
     from engine import EngineConfig
     from pdserve.tls import TLSFiles
     from pdserve.worker_runtime import WorkerSettings
@@ -75,7 +111,8 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
         tls=TLSFiles(tls_cert_file or None, tls_key_file or None, tls_ca_file or None),
         engine=EngineConfig(
             model=model, dtype=dtype, chunk_size=chunk_size, num_blocks=num_blocks,
-            num_threads=threads or None, max_num_seqs=max_num_seqs,
+            num_threads=threads or None, max_num_seqs=max_num_seqs, device=device,
+            cuda_graphs=cuda_graphs, attention_backend=attention_backend,
         ),
     )  # fmt: skip
 
@@ -84,7 +121,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
 def prefill(
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
     model: Model = "smollm2-135m",
-    dtype: DType = "float32",
+    dtype: DType = "auto",
     threads: Threads = 0,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="PDSERVE_PORT", help="gRPC; 0 = any.")] = 50061,
@@ -102,6 +139,9 @@ def prefill(
     tls_ca_file: TlsCa = "",
     max_concurrent_rpcs: MaxRpcs = 128,
     max_num_seqs: MaxSeqs = 64,
+    device: Device = "auto",
+    cuda_graphs: CudaGraphs = True,
+    attention_backend: Attention = "auto",
     log_level: LogLevel = "info",
 ) -> None:
     """Run a prefill worker."""
@@ -115,7 +155,8 @@ def prefill(
         kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
         drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
-        max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs,
+        max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
+        cuda_graphs=cuda_graphs, attention_backend=attention_backend,
     )  # fmt: skip
     raise typer.Exit(start(settings).serve_forever())
 
@@ -124,7 +165,7 @@ def prefill(
 def decode(
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
     model: Model = "smollm2-135m",
-    dtype: DType = "float32",
+    dtype: DType = "auto",
     threads: Threads = 0,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="PDSERVE_PORT", help="gRPC; 0 = any.")] = 50062,
@@ -142,6 +183,9 @@ def decode(
     tls_ca_file: TlsCa = "",
     max_concurrent_rpcs: MaxRpcs = 128,
     max_num_seqs: MaxSeqs = 64,
+    device: Device = "auto",
+    cuda_graphs: CudaGraphs = True,
+    attention_backend: Attention = "auto",
     prefill_timeout_s: Annotated[float, typer.Option(envvar="PDSERVE_PREFILL_TIMEOUT_S")] = 60.0,
     local_prefill_fallback: Annotated[
         bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
@@ -163,7 +207,8 @@ def decode(
         kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
         drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
-        max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs,
+        max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
+        cuda_graphs=cuda_graphs, attention_backend=attention_backend,
     )  # fmt: skip
     raise typer.Exit(start(settings, decode_settings).serve_forever())
 
@@ -300,7 +345,7 @@ def up(
     num_prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,
     num_decode: Annotated[int, typer.Option("--decode", help="Decode workers.")] = 1,
     model: Model = "smollm2-135m",
-    dtype: DType = "float32",
+    dtype: DType = "auto",
     kv_backend: KVBackend = "auto",
     host: Host = "127.0.0.1",
     http_port: Annotated[int, typer.Option(help="Router HTTP; 0 = any.")] = 8000,
