@@ -23,7 +23,9 @@ from router.admission import Admission, Lease
 from router.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    Overloaded,
     PromptTooLong,
+    RouterError,
     Unavailable,
     WorkerLost,
 )
@@ -220,7 +222,14 @@ class Run:
             try:
                 message = await self._read()
             except WorkerLost as lost:
-                await self._migrate(lost)
+                await self._move_on(lost, is_migration=True)
+                continue
+            except Overloaded as busy:
+                # A decode worker past its limits refuses before it has done anything: try
+                # the others; only when every one refuses does the client get the 429.
+                if busy.reason != "decode_kv" or self._leg_has_token:
+                    raise
+                await self._move_on(busy, is_migration=False)
                 continue
             return self._forward(message)
 
@@ -237,22 +246,33 @@ class Run:
             raise WorkerLost(f"decode worker {address} aborted the request")
         return message
 
-    async def _migrate(self, lost: WorkerLost) -> None:
-        """Moves the request to another decode worker, or raises when it cannot."""
+    async def _move_on(self, error: RouterError, *, is_migration: bool) -> None:
+        """Moves the request to another decode worker, or raises when it cannot: a migration
+        (its worker was lost) at most max_migrations times, a refusal (the worker was full)
+        once per decode worker."""
         assert self.lease is not None
         lost_id = self.lease.decode.worker_id
         self.close()  # cancels the lost call and hands its capacity back
         gateway = self.gateway
-        if self.num_migrations >= gateway.settings.max_migrations:
-            raise lost
+        if is_migration and self.num_migrations >= gateway.settings.max_migrations:
+            raise error
         excluded = self.ticket.excluded_decode_ids | {lost_id}
         if all(w.worker_id in excluded for w in gateway.pool.infos("decode")):
-            raise Unavailable(f"{lost.message}; no other decode worker is left to continue it")
+            if not is_migration:
+                raise error
+            raise Unavailable(f"{error.message}; no other decode worker is left to continue it")
+        if not is_migration:
+            metrics.DECODE_REFUSALS.labels(lost_id).inc()
+            log.info("%s: %s; trying another decode worker", self.job.ticket.request_id,
+                     error.message)  # fmt: skip
+            self.ticket = replace(self.ticket, excluded_decode_ids=excluded)
+            await self._dispatch()
+            return
         self.num_migrations += 1
         metrics.MIGRATIONS.labels(lost_id).inc()
         num_streamed = len(self.output_token_ids)
         log.warning("%s: %s; moving it on after %d tokens", self.job.ticket.request_id,
-                    lost.message, num_streamed)  # fmt: skip
+                    error.message, num_streamed)  # fmt: skip
         if self._resumed is None:
             self._resumed = ResumedText.replay(
                 gateway.tokenizer, self.job.params, self.output_token_ids, self.num_sent_chars

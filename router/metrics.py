@@ -36,6 +36,11 @@ E2E = Histogram(
     "pdserve_router_e2e_latency_seconds", "Arrival to the last token",
     ["length_bucket"], buckets=_LATENCY_S,
 )  # fmt: skip
+DECODE_REFUSALS = Counter(
+    "pdserve_router_decode_refusals_total",
+    "Requests a decode worker refused before starting (past its limits), sent to another one",
+    ["decode_worker"],
+)
 MIGRATIONS = Counter(
     "pdserve_router_migrations_total",
     "Requests moved to another decode worker after theirs was lost mid-request",
