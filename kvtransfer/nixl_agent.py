@@ -16,12 +16,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from nixl_cu12 import (
-    nixl_agent,
-    nixl_agent_config,
-    nixl_prepped_dlist_handle,
-    nixl_xfer_handle,
-)
+
+try:
+    from nixl_cu12 import (
+        nixl_agent,
+        nixl_agent_config,
+        nixl_prepped_dlist_handle,
+        nixl_xfer_handle,
+    )
+except ImportError:  # the same API built for CUDA 13 (Dockerfile: NIXL_PACKAGE=nixl-cu13)
+    from nixl_cu13 import (
+        nixl_agent,
+        nixl_agent_config,
+        nixl_prepped_dlist_handle,
+        nixl_xfer_handle,
+    )
 
 from kvtransfer.agent import Fence, KVAgent, TransferHandle, done_fence
 from kvtransfer.errors import (
@@ -32,7 +41,8 @@ from kvtransfer.errors import (
 )
 from kvtransfer.inbox import Expected
 from kvtransfer.layout import KVLayout
-from kvtransfer.metrics import KV_TRANSFER_BYTES
+from kvtransfer.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_MEMORY
+from kvtransfer.staging import BlockMirror, Staging, ready_event, ucx_cuda_missing
 from kvtransfer.wire import BlockHeader, PeerMetadata
 
 logger = logging.getLogger(__name__)
@@ -86,6 +96,7 @@ class _Job:
     header: BlockHeader
     src_block_ids: list[int]
     handle: TransferHandle
+    ready: torch.cuda.Event | None = None  # a CUDA cache's blocks are written once it is done
 
 
 @dataclass(slots=True)
@@ -100,6 +111,9 @@ class _Burst:
     is_granted: bool = False
     queued: list[_Job] = field(default_factory=list)
     posted: list[tuple[_Job, nixl_xfer_handle]] = field(default_factory=list)
+    # Granted jobs whose bytes are not ready yet: the GPU is still writing them, or copying
+    # them to the host mirror. Posted once the event completes (the driver polls it).
+    gated: list[tuple[_Job, torch.cuda.Event]] = field(default_factory=list)
     stop_error: KVTransferError | None = None  # set by the receiver's 'stop'
 
 
@@ -120,7 +134,9 @@ class NixlAgent(KVAgent):
 
     backend = "nixl"
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(
+        self, name: str, kv_cache: torch.Tensor, layout: KVLayout, staging: Staging = "auto"
+    ) -> None:
         super().__init__(kv_cache, layout)
         # A fresh suffix: a restarted worker must not inherit its predecessor's entry in peers'
         # caches of loaded agents.
@@ -129,17 +145,22 @@ class NixlAgent(KVAgent):
         self._agent = nixl_agent(self.name, config)
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend on this host")
-        self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
-        self._device_id = kv_cache.device.index or 0
-        self._registration = self._agent.register_memory(kv_cache)
+        # The memory peers write into and we send from: the cache itself (DRAM, or VRAM that
+        # UCX moves with cuda_ipc on one host and RDMA across hosts), or its host mirror.
+        self._mirror: BlockMirror | None = None
+        registered = self._register(kv_cache, staging)
+        self._mem_type = "VRAM" if registered.is_cuda else "DRAM"
+        memory = "staged" if self._mirror is not None else self._mem_type
+        KV_TRANSFER_MEMORY.labels(self.backend, memory).set(1)
+        self._device_id = registered.device.index or 0
         bpb = layout.bytes_per_block
-        local = _block_descs(kv_cache.data_ptr(), self.num_blocks, bpb, self._device_id)
+        local = _block_descs(registered.data_ptr(), self.num_blocks, bpb, self._device_id)
         self._local_blocks = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._mem_type)
         self._agent_metadata = self._agent.get_agent_metadata()
         endpoint = {
             "agent_name": self.name,
             "agent_metadata": base64.b64encode(self._agent_metadata).decode(),
-            "base_address": kv_cache.data_ptr(),
+            "base_address": registered.data_ptr(),
             "mem_type": self._mem_type,
             "device_id": self._device_id,
         }
@@ -157,6 +178,35 @@ class NixlAgent(KVAgent):
         self._closed = threading.Event()
         self._driver = threading.Thread(target=self._drive, name="kv-nixl-driver", daemon=True)
         self._driver.start()
+
+    def _register(self, kv_cache: torch.Tensor, staging: Staging) -> torch.Tensor:
+        """Registers the cache, or a pinned host mirror of it where UCX cannot move GPU memory
+        (or staging is forced); returns what was registered."""
+        if not kv_cache.is_cuda and staging != "always":
+            self._registration = self._agent.register_memory(kv_cache)
+            return kv_cache
+        reason = "staging forced (always)" if staging == "always" else ucx_cuda_missing()
+        if reason is None:
+            try:
+                self._registration = self._agent.register_memory(kv_cache)  # as VRAM
+                logger.info("NIXL: KV cache registered as VRAM on %s", kv_cache.device)
+                return kv_cache
+            except Exception as e:  # nixl raises its own exception types
+                reason = f"registering VRAM failed: {type(e).__name__}: {e}"
+        if staging == "never":
+            raise RuntimeError(f"NIXL cannot move KV from {kv_cache.device} memory: {reason}")
+        self._mirror = BlockMirror(kv_cache)
+        gib = self._mirror.blocks.numel() * self._mirror.blocks.element_size() / 2**30
+        logger.warning(
+            "NIXL: staging KV from %s through a %.2f GiB pinned host mirror (%s)",
+            kv_cache.device, gib, reason,
+        )  # fmt: skip
+        self._registration = self._agent.register_memory(self._mirror.blocks)
+        return self._mirror.blocks
+
+    @property
+    def is_staged(self) -> bool:
+        return self._mirror is not None
 
     def metadata(self) -> bytes:
         return self._metadata
@@ -188,7 +238,9 @@ class NixlAgent(KVAgent):
             handle.resolve(KVPeerError(request_id, "agent closed"))
             return handle
         header = BlockHeader(request_id, self.layout, tuple(dst_block_ids), num_bytes)
-        self._call(partial(self._start_job, _Job(peer, header, list(src_block_ids), handle)))
+        # Recorded here, on the engine thread, right after the step that wrote these blocks.
+        job = _Job(peer, header, list(src_block_ids), handle, ready_event(self.kv_cache))
+        self._call(partial(self._start_job, job))
         return handle
 
     def _fence(self, entry: Expected) -> Fence:
@@ -228,6 +280,8 @@ class NixlAgent(KVAgent):
             for job, xfer in burst.posted:
                 job.handle.resolve(KVPeerError(job.header.request_id, "agent closed"))
                 _release_quietly(xfer)
+            for job, _ in burst.gated:
+                job.handle.resolve(KVPeerError(job.header.request_id, "agent closed"))
         self._bursts.clear()
         # The fences stay unsettled: closing does not stop a remote writer.
         for remote in self._remote_blocks.values():
@@ -316,6 +370,12 @@ class NixlAgent(KVAgent):
             entry = self._inbox.admit(header, agent_name)
         except KVTransferError:
             return  # a late write to a forgotten request: it was fenced, nobody reads those blocks
+        if self._mirror is not None:
+            # Staged: the bytes are in the mirror; into the GPU blocks while the request is
+            # open (forget() takes this lock, so none land after a cancel returned).
+            with entry.write_lock:
+                if entry.is_open:
+                    self._mirror.copy_in(header.block_ids)
         self._inbox.land(entry)
         KV_TRANSFER_BYTES.labels(self.backend, "received").inc(header.num_bytes)
 
@@ -398,6 +458,16 @@ class NixlAgent(KVAgent):
             self._post(job, burst)
 
     def _post(self, job: _Job, burst: _Burst) -> None:
+        """Posts the WRITE once its source bytes are ready (at once for a CPU cache)."""
+        gate = job.ready
+        if self._mirror is not None:
+            gate = self._mirror.copy_out(job.src_block_ids, job.ready)
+        if gate is None or gate.query():
+            self._post_now(job, burst)
+        else:
+            burst.gated.append((job, gate))
+
+    def _post_now(self, job: _Job, burst: _Burst) -> None:
         request_id = job.header.request_id
         # The receiver gets this after the bytes have landed; it re-checks the header in it.
         notification = {"op": "data", "request_id": request_id, "header": job.header.to_dict()}
@@ -428,13 +498,20 @@ class NixlAgent(KVAgent):
             return
         burst.stop_error = error
         queued, burst.queued = burst.queued, []
-        for job in queued:
+        gated, burst.gated = burst.gated, []
+        for job in [*queued, *(job for job, _ in gated)]:
             job.handle.resolve(error)
         self._retire_if_idle(key, burst)
 
     def _progress(self) -> None:
         now = time.monotonic()
         for key, burst in list(self._bursts.items()):
+            gated, burst.gated = burst.gated, []
+            for job, gate in gated:
+                if gate.query():
+                    self._post_now(job, burst)
+                else:
+                    burst.gated.append((job, gate))
             still_posted = []
             for job, xfer in burst.posted:
                 try:
@@ -461,7 +538,7 @@ class NixlAgent(KVAgent):
 
     def _retire_if_idle(self, key: tuple[str, str], burst: _Burst) -> None:
         """Drop a burst with nothing queued or in flight; the next send begins a new one."""
-        if burst.queued or burst.posted:
+        if burst.queued or burst.posted or burst.gated:
             return
         del self._bursts[key]
         if burst.stop_error is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Sequence
@@ -14,9 +15,16 @@ from kvtransfer.blocks import byte_view, runs
 from kvtransfer.errors import KVCancelledError, KVPeerError, KVTransferError
 from kvtransfer.inbox import Expected
 from kvtransfer.layout import KVLayout
-from kvtransfer.metrics import KV_TRANSFER_BYTES
+from kvtransfer.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_MEMORY
+from kvtransfer.staging import StagedReader, StagedWriter, ready_event
 from kvtransfer.tcp_frames import Ack, ConnectionLostError, recv_frame_header
-from kvtransfer.tcp_sender import SOCKET_BUFFER_BYTES, TcpJob, TcpPeerConnection
+from kvtransfer.tcp_sender import (
+    SOCKET_BUFFER_BYTES,
+    BlockReader,
+    DirectReader,
+    TcpJob,
+    TcpPeerConnection,
+)
 from kvtransfer.wire import BlockHeader, PeerMetadata
 
 # recv_into a block holds the request's write lock; this timeout bounds how long cancel() waits
@@ -24,16 +32,30 @@ from kvtransfer.wire import BlockHeader, PeerMetadata
 _RECV_SLICE_TIMEOUT_S = 0.05
 _DISCARD_CHUNK_BYTES = 1 << 20
 
+logger = logging.getLogger(__name__)
+
 
 class TcpAgent(KVAgent):
     backend = "tcp"
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout, host: str) -> None:
-        if kv_cache.device.type != "cpu":
-            raise ValueError("the tcp backend needs a CPU kv_cache (it receives into host memory)")
+    def __init__(
+        self, name: str, kv_cache: torch.Tensor, layout: KVLayout, host: str,
+        staging: bool | None = None,
+    ) -> None:  # fmt: skip
+        """staging: bytes go through host bounce buffers; None = exactly when the cache is on
+        a GPU (sockets move host memory only). A CPU cache is sent and received in place."""
         super().__init__(kv_cache, layout)
         self.name = name
-        self._bytes = byte_view(kv_cache)
+        self.is_staged = kv_cache.is_cuda if staging is None else staging
+        if kv_cache.is_cuda and not self.is_staged:
+            raise ValueError("a CUDA kv_cache needs staging: sockets move host memory only")
+        self._bytes = None if self.is_staged else byte_view(kv_cache)
+        KV_TRANSFER_MEMORY.labels(self.backend, "staged" if self.is_staged else "DRAM").set(1)
+        if self.is_staged:
+            logger.info(
+                "tcp KV transfer from %s memory: staged through pinned host buffers",
+                kv_cache.device,
+            )
         self._listener = socket.create_server((host, 0))
         self._address = (host, self._listener.getsockname()[1])
         self._lock = threading.Lock()
@@ -68,7 +90,8 @@ class TcpAgent(KVAgent):
         # No layout check here: the receiver is the authority and rejects a mismatched header
         # before writing a byte (see docs/kvtransfer.md).
         header = BlockHeader(request_id, self.layout, tuple(dst_block_ids), num_bytes)
-        job = TcpJob(header, tuple(src_block_ids), handle)
+        # Recorded here, on the engine thread, right after the step that wrote these blocks.
+        job = TcpJob(header, tuple(src_block_ids), handle, ready_event(self.kv_cache))
         with self._lock:
             if self._closed:
                 handle.resolve(KVPeerError(request_id, "agent closed"))
@@ -76,11 +99,14 @@ class TcpAgent(KVAgent):
             connection = self._peers.get(address)
             if connection is None:
                 connection = TcpPeerConnection(
-                    address, self._bytes, self.layout.bytes_per_block, self._forget_peer
+                    address, self._reader(), self.layout.bytes_per_block, self._forget_peer
                 )
                 self._peers[address] = connection
         connection.submit(job)
         return handle
+
+    def _reader(self) -> BlockReader:
+        return StagedReader(self.kv_cache) if self._bytes is None else DirectReader(self._bytes)
 
     def _forget_peer(self, connection: TcpPeerConnection) -> None:
         with self._lock:
@@ -116,10 +142,12 @@ class TcpAgent(KVAgent):
 
     def _serve(self, sock: socket.socket, writer_id: str) -> None:
         scratch = memoryview(bytearray(_DISCARD_CHUNK_BYTES))
+        staged = StagedWriter(self.kv_cache) if self.is_staged else None
         reason = "closed by peer"
         try:
             while (header := recv_frame_header(sock)) is not None:
-                sock.sendall(self._receive_frame(sock, header, writer_id, scratch).encode())
+                ack = self._receive_frame(sock, header, writer_id, scratch, staged)
+                sock.sendall(ack.encode())
         except OSError as e:  # ConnectionLostError included
             reason = str(e)
         finally:
@@ -130,15 +158,19 @@ class TcpAgent(KVAgent):
             sock.close()
 
     def _receive_frame(
-        self, sock: socket.socket, header: BlockHeader, writer_id: str, scratch: memoryview
-    ) -> Ack:
+        self, sock: socket.socket, header: BlockHeader, writer_id: str, scratch: memoryview,
+        staged: StagedWriter | None,
+    ) -> Ack:  # fmt: skip
         try:
             entry = self._inbox.admit(header, writer_id)
         except KVTransferError as e:
             _discard(sock, header.num_bytes, scratch)
             return Ack(header.request_id, e)
         try:
-            self._receive_blocks(sock, entry, header.block_ids, scratch)
+            if staged is None:
+                self._receive_blocks(sock, entry, header.block_ids, scratch)
+            else:
+                self._receive_staged(sock, entry, header.block_ids, staged)
         except ConnectionLostError as e:
             self._inbox.fail(entry, KVPeerError(entry.request_id, f"short write: {e}"))
             raise
@@ -175,6 +207,29 @@ class TcpAgent(KVAgent):
                     got += n
         finally:
             sock.settimeout(None)
+
+    def _receive_staged(
+        self, sock: socket.socket, entry: Expected, block_ids: Sequence[int], staged: StagedWriter
+    ) -> None:
+        """Each chunk lands in this connection's bounce buffer (no lock needed), then goes into
+        the blocks under the write lock, only while the request is open: once forget() has
+        returned, no chunk of it reaches the cache."""
+        bpb, chunk = self.layout.bytes_per_block, len(staged.view)
+        total, got = len(block_ids) * bpb, 0
+        for first, count in runs(block_ids):
+            start, length = first * bpb, count * bpb
+            for offset in range(0, length, chunk):
+                n = min(chunk, length - offset)
+                filled = 0
+                while filled < n:
+                    k = sock.recv_into(staged.view[filled:n])
+                    if k == 0:
+                        raise ConnectionLostError(f"peer closed after {got} of {total} bytes")
+                    filled += k
+                    got += k
+                with entry.write_lock:
+                    if entry.is_open:
+                        staged.flush(n, start + offset)
 
     def close(self) -> None:
         with self._lock:

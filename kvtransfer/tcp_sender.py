@@ -7,8 +7,11 @@ import queue
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from kvtransfer.agent import TransferHandle
 from kvtransfer.blocks import runs
@@ -25,6 +28,26 @@ class TcpJob:
     header: BlockHeader
     src_block_ids: tuple[int, ...]
     handle: TransferHandle
+    # A CUDA cache's blocks may be read once this is done (kvtransfer.staging.ready_event).
+    ready: torch.cuda.Event | None = None
+
+
+class BlockReader(Protocol):
+    def chunks(
+        self, start: int, length: int, after: torch.cuda.Event | None
+    ) -> Iterator[memoryview]:
+        """Host views of cache bytes [start, start + length), in order."""
+        ...
+
+
+class DirectReader:
+    """A CPU cache's bytes as they are: one view per run of blocks, no copy."""
+
+    def __init__(self, src_bytes: memoryview) -> None:
+        self._bytes = src_bytes
+
+    def chunks(self, start: int, length: int, after: torch.cuda.Event | None = None):
+        yield self._bytes[start : start + length]
 
 
 class TcpPeerConnection:
@@ -35,12 +58,12 @@ class TcpPeerConnection:
     def __init__(
         self,
         address: tuple[str, int],
-        src_bytes: memoryview,
+        reader: BlockReader,
         bytes_per_block: int,
         on_dead: Callable[[TcpPeerConnection], None],
     ) -> None:
         self.address = address
-        self._src_bytes = src_bytes
+        self._reader = reader  # this connection's own: a staged reader's buffers are not shared
         self._bytes_per_block = bytes_per_block
         self._on_dead = on_dead
         self._lock = threading.Lock()
@@ -95,7 +118,8 @@ class TcpPeerConnection:
         sock.sendall(encode_frame_header(job.header))
         bpb = self._bytes_per_block
         for first, count in runs(job.src_block_ids):
-            sock.sendall(self._src_bytes[first * bpb : (first + count) * bpb])
+            for chunk in self._reader.chunks(first * bpb, count * bpb, job.ready):
+                sock.sendall(chunk)
 
     def _read_loop(self, sock: socket.socket) -> None:
         try:

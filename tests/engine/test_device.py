@@ -1,0 +1,173 @@
+"""The device setting end to end on the CPU: resolution and validation, where the tensors live
+(in process and in worker processes started with --device cpu / PDSERVE_DEVICE=cpu), the static
+decode step that CUDA graphs replay (run eagerly here), and the backend self-check."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from typer.testing import CliRunner
+
+from engine import EngineConfig, InvalidRequestError, SamplingParams
+from engine.attention import (
+    AttentionSpec,
+    BackendUnusableError,
+    TorchSDPABackend,
+    check_against_sdpa,
+    select_backend,
+)
+from engine.cuda_graphs import DecodeGraphs
+from pdserve.cli import app
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.worker.v1 import worker_pb2 as wpb
+from pdserve.worker.v1 import worker_pb2_grpc
+from tests.cluster import Cluster
+
+NO_CUDA = f"torch {torch.__version__} sees no CUDA device"
+
+
+def test_auto_picks_the_cpu_here_with_float32():
+    assert not torch.cuda.is_available()
+    for config in (EngineConfig(), EngineConfig(device="auto", dtype="auto")):
+        assert (config.device, config.dtype) == ("cpu", "float32")
+    assert EngineConfig(device="cpu", dtype="bfloat16").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("gpu", "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        ("cuda:x", "device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+        ("cuda:01", "device must be auto, cpu, cuda or cuda:N, got 'cuda:01'"),
+        ("CPU", "device must be auto, cpu, cuda or cuda:N, got 'CPU'"),
+        ("cuda", f"device cuda asked for, but {NO_CUDA}"),
+        ("cuda:1", f"device cuda:1 asked for, but {NO_CUDA}"),
+    ],
+)
+def test_bad_or_absent_devices_are_refused_with_the_reason(device, message):
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}"):
+        EngineConfig(device=device)
+
+
+def _plain(output: str) -> str:
+    """Typer's error box without its frame and line breaks."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())
+
+
+def test_the_cli_refuses_a_bad_device_before_starting_a_worker():
+    runner = CliRunner()
+    flag = runner.invoke(app, ["prefill", "--device", "gpu"])
+    assert flag.exit_code == 2
+    assert (
+        "Invalid value for '--device' (env var: 'PDSERVE_DEVICE'): device must be auto, cpu, "
+        "cuda or cuda:N, got 'gpu'"
+    ) in _plain(flag.output)
+    env = runner.invoke(app, ["decode"], env={"PDSERVE_DEVICE": "cuda"})
+    assert env.exit_code == 2
+    assert f"device cuda asked for, but {NO_CUDA}" in _plain(env.output)
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def test_weights_kv_cache_and_backend_live_on_the_cpu(llm):
+    runner = llm.engine.runner
+    assert {t.device for t in runner.model.tensors()} == {torch.device("cpu")}
+    assert {t.dtype for t in runner.model.tensors()} == {torch.float32}
+    assert (runner.kv_cache.device, runner.kv_cache.dtype) == (torch.device("cpu"), torch.float32)
+    assert runner.attention.name == "sdpa"
+    assert runner.graphs is None  # CUDA graphs are a no-op on the CPU
+    info = "pdserve_engine_tensors_info"
+    assert _sample(info, device="cpu", dtype="float32", tensor="weights") == 1.0
+    assert _sample(info, device="cpu", dtype="float32", tensor="kv_cache") == 1.0
+    assert _sample("pdserve_engine_attention_info", backend="sdpa", cuda_graphs="off") == 1.0
+
+
+def test_paged_backends_need_cuda():
+    spec = AttentionSpec(9, 3, 64, 16, torch.bfloat16, torch.device("cpu"))
+    for name in ("flashinfer", "flash_attn"):
+        with pytest.raises(ValueError, match=f"^attention_backend {name} needs a CUDA device"):
+            select_backend(name, spec)
+    assert select_backend("auto", spec).name == "sdpa"
+
+
+class _OffByOne(TorchSDPABackend):
+    """A backend that attends one position short: the self-check must catch it."""
+
+    def forward(self, q, layer_cache, plan, new_k, new_v):
+        return super().forward(q, layer_cache, plan, new_k, new_v).roll(1, dims=0)
+
+
+def test_self_check_rejects_a_backend_that_disagrees_with_sdpa():
+    spec = AttentionSpec(9, 3, 64, 16, torch.float32, torch.device("cpu"))
+    check_against_sdpa(TorchSDPABackend(spec), atol=1e-6)  # SDPA agrees with itself
+    with pytest.raises(BackendUnusableError, match="^self-check against SDPA failed"):
+        check_against_sdpa(_OffByOne(spec), atol=3e-2)
+
+
+PROMPTS = ["1, 2, 3, 4,", "The capital of France is", "Hello, my name is Tom and I"]
+
+
+def test_static_decode_steps_match_eager_decode_and_pad_into_the_scratch_block(llm):
+    """The graphs' path without capture: 3 decodes padded to a batch of 4, static buffers,
+    the SDPA static plan. Greedy tokens must equal the eager path's."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    runner = llm.engine.runner
+    scratch = runner._kv_storage[runner.scratch_block]
+    scratch.zero_()
+    graphs = DecodeGraphs(
+        runner.model, runner.attention, runner._kv_storage, (1, 4), max_blocks=64,
+        block_size=runner.config.block_size, pad_block=runner.scratch_block, capture=False,
+    )  # fmt: skip
+    runner.graphs = graphs
+    runner.set_cuda_graphs(True)
+    try:
+        static = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        runner.graphs = None
+        runner.set_cuda_graphs(False)
+    assert static == eager
+    assert set(graphs._steps) == {(4, 16)}  # every decode step: 3 rows padded to 4, width 16
+    assert scratch.abs().sum() > 0  # the padding row wrote there, and nowhere else
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def cpu_workers():
+    """A prefill worker given --device cpu, a decode worker given PDSERVE_DEVICE=cpu."""
+    cluster = Cluster(kv_backend="tcp")
+    try:
+        prefill = cluster.start("prefill", "--device", "cpu", wait=False)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("PDSERVE_DEVICE", "cpu")
+            decode = cluster.start("decode", wait=False)
+        for worker in (prefill, decode):
+            cluster.wait_registered(worker)
+        yield prefill, decode
+    finally:
+        cluster.stop()
+
+
+def test_workers_given_cpu_hold_their_tensors_on_the_cpu_and_serve(cpu_workers, llm):
+    for worker in cpu_workers:
+        info = "pdserve_engine_tensors_info"
+        assert worker.metric(info, device="cpu", dtype="float32", tensor="weights") == 1.0
+        assert worker.metric(info, device="cpu", dtype="float32", tensor="kv_cache") == 1.0
+        assert worker.metric("pdserve_engine_attention_info", backend="sdpa", cuda_graphs="off")
+        assert worker.metric("pdserve_kv_transfer_memory_info", backend="tcp", memory="DRAM")
+    prefill, decode = cpu_workers
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+    request = wpb.DecodeRequest(
+        prompt_token_ids=prompt,
+        params=pb.SamplingParams(max_tokens=4, temperature=0.0),
+        prefill_address=prefill.address,
+    )
+    tokens = [t for m in stub.Generate(request, timeout=300) for t in m.token_ids]
+    assert tokens == [216, 37, 28, 216]  # " 5, " as the in-process engine generates it
