@@ -51,10 +51,10 @@ def _is_idle(cluster: Cluster, worker) -> bool:
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_cancels_during_remote_prefill_never_corrupt_other_requests(backend, llm):
-    """Clients give up at random moments of their long prompts' prefill while short greedy
-    requests run beside them (16 cancels per backend, 32 in all): those come out exactly as from the engine alone, and once idle
-    both workers' pools are whole (the engine checks its pool's integrity on going idle, and
-    dies on a fault)."""
+    """Clients give up at random moments of their long prompts' prefill (16 per backend, 32 in
+    all) while short greedy requests run beside them: those come out exactly as from the
+    engine alone, and once idle both workers' pools are whole (the engine checks its pool's
+    integrity on going idle, and dies on a fault)."""
     cluster = Cluster(kv_backend=backend)
     try:
         prefill = cluster.start("prefill", "--chunk-size", "256")
