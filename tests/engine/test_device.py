@@ -4,7 +4,11 @@ decode step that CUDA graphs replay (run eagerly here), and the backend self-che
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -171,3 +175,28 @@ def test_workers_given_cpu_hold_their_tensors_on_the_cpu_and_serve(cpu_workers, 
     )
     tokens = [t for m in stub.Generate(request, timeout=300) for t in m.token_ids]
     assert tokens == [216, 37, 28, 216]  # " 5, " as the in-process engine generates it
+
+
+def test_the_gpu_check_runs_its_smoke_mode_on_the_cpu():
+    """bench/gpu_check.py --smoke: every section runs (tiny sizes) and the last line is JSON."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["device"], result["smoke"]) == ("cpu", True)
+    parity = result["parity"]
+    assert (parity["fp32_token_exact"], parity["bf16_top1_agreement"], parity["ok"]) == (
+        "2/2",
+        1.0,
+        True,
+    )
+    assert [(r["model"], r["tokens"]) for r in result["prefill"]] == [
+        ("tiny-llama", 64), ("tiny-llama", 160), ("tiny-llama-wide", 64), ("tiny-llama-wide", 160),
+    ]  # fmt: skip
+    assert [(r["batch"], r["graphs_tokens_per_s"]) for r in result["decode"]] == [
+        (1, None), (4, None),  # CUDA graphs are a no-op on the CPU
+    ]  # fmt: skip
+    transfers = [(r["backend"], r["mib"], r["bytes_equal"]) for r in result["kv_transfer"]]
+    assert transfers == [("nixl", 1, True), ("nixl", 4, True), ("tcp", 1, True), ("tcp", 4, True)]
