@@ -680,7 +680,12 @@ def targets(results: dict) -> dict:
     speedup = [
         r["graphs_speedup"] for r in rows("decode") if r["batch"] == 1 and r["graphs_speedup"]
     ]
-    nixl = [r["ratio"] for r in rows("kv_transfer") if r.get("backend") == "nixl" and "ratio" in r]
+    vram = {"receiver": "VRAM", "sender": "VRAM"}  # staged or host rows do not count
+    nixl = [
+        r["ratio"]
+        for r in rows("kv_transfer")
+        if r.get("backend") == "nixl" and r.get("memory") == vram and "ratio" in r
+    ]
     parity = results.get("parity", {})
     return {
         "parity_ok": parity.get("ok") if isinstance(parity, dict) else None,
