@@ -330,15 +330,15 @@ async def run_load(jobs: list[Job], cluster: LocalCluster, args: argparse.Namesp
         for job in pending:  # one shared iterator: each job is sent once
             outcome = outcomes[job.index] = await send(job, http, stub, urls,
                                                        args.request_timeout_s)  # fmt: skip
-            if outcome.kind == "clean_error":
-                # As a real client would: pause before the next request, rather than burn
-                # the workload in a burst of instant 503s. Each error still counts.
-                await asyncio.sleep(min(outcome.retry_after_s or CLIENT_PAUSE_S, 5.0))
             if len(outcomes) >= len(jobs) // 2:
                 half_done.set()
             if len(outcomes) % 20 == 0:
                 kinds = dict(Counter(o.kind for o in outcomes.values()))
                 print(f"  {len(outcomes)}/{len(jobs)} requests ended: {kinds}", flush=True)
+            if outcome.kind == "clean_error":
+                # As a real client would: pause before the next request, rather than burn
+                # the workload in a burst of instant 503s. Each error still counts.
+                await asyncio.sleep(min(outcome.retry_after_s or CLIENT_PAUSE_S, 5.0))
 
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     timeout = httpx.Timeout(args.request_timeout_s + 30, connect=30)

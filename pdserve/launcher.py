@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from pdserve.redis_server import RedisServer, free_port
 from pdserve.registry import Registry, Role
 
@@ -297,6 +299,7 @@ class LocalCluster:
                 return
             uptime_s = now_s - restarts.started_s
             delay_s = restarts.schedule(policy, now_s)
+            self._deregister(child, report)
             tail = textwrap.indent(child.log_tail(20), "    ")
             report(
                 f"{child.name} (pid {child.process.pid}) exited with {_describe_exit(code)} after "
@@ -309,32 +312,44 @@ class LocalCluster:
             report(f"{child.name} restarted (pid {child.process.pid}, "
                    f"restart #{restarts.num_restarts})")  # fmt: skip
 
+    def _deregister(self, child: Child, report: Report) -> None:
+        """A dead worker's registry entry would keep it in rotation until its TTL ran out, and
+        every request routed there meanwhile would fail: take it out now, as Kubernetes takes
+        a dead pod out of its endpoints. Its restart registers again under the same id."""
+        if child.role not in ("prefill", "decode"):
+            return
+        worker_id = child.args[child.args.index("--worker-id") + 1]
+        try:
+            Registry(self.redis_url).remove(child.role, worker_id)  # type: ignore[arg-type]
+        except redis.RedisError as e:  # Redis down too: the TTL still expires the entry
+            report(f"could not remove {worker_id} from the registry: {e}")
+
     def _supervise_redis(self, report: Report, now_s: float) -> None:
         """Redis comes back on its port: every child was given its URL."""
-        redis, restarts, policy = self.redis, self.redis_restarts, self.spec.restart
-        if redis is None:
+        server, restarts, policy = self.redis, self.redis_restarts, self.spec.restart
+        if server is None:
             return
         if restarts.due_s is None:
-            code = redis.process.poll()
+            code = server.process.poll()
             if code is None:
                 return
             delay_s = restarts.schedule(policy, now_s)
-            report(f"redis (pid {redis.process.pid}, port {redis.port}) exited with "
+            report(f"redis (pid {server.process.pid}, port {server.port}) exited with "
                    f"{_describe_exit(code)}; restart #{restarts.num_restarts + 1} in "
                    f"{delay_s:.0f} s")  # fmt: skip
         elif now_s >= restarts.due_s:
-            redis.stop()  # its temporary directory; the process is gone
+            server.stop()  # its temporary directory; the process is gone
             try:
-                self.redis = RedisServer(host=redis.host, port=redis.port)
+                self.redis = RedisServer(host=server.host, port=server.port)
             except (RuntimeError, OSError) as e:  # the port still taken: try again later
                 restarts.started_s = now_s  # a failed start counts as a quick death
                 delay_s = restarts.schedule(policy, now_s)
-                report(f"redis did not start on port {redis.port}: {e}; retrying in "
+                report(f"redis did not start on port {server.port}: {e}; retrying in "
                        f"{delay_s:.0f} s")  # fmt: skip
                 return  # self.redis stays the dead one: the next pass retries when due
             restarts.restarted(now_s)
             report(
-                f"redis restarted on port {redis.port} (pid {self.redis.process.pid}, "
+                f"redis restarted on port {server.port} (pid {self.redis.process.pid}, "
                 f"restart #{restarts.num_restarts}); workers re-register on their heartbeat"
             )
 
