@@ -1,5 +1,7 @@
 """The decode worker's Generate RPC: reserve KV blocks, have a prefill worker fill them (retrying
-once elsewhere), then stream tokens from the continuous batch.
+once elsewhere), then stream tokens from the continuous batch. An aggregated worker skips the
+remote part: the request joins its batch whole, its prompt prefilled in chunks between decode
+steps (the same path the local-prefill fallback takes).
 
 Blocks reserved for a remote prefill are freed only once their writer is fenced: a request
 that ends during its prefill (the client went away, a deadline, a failed attempt) first cancels
@@ -42,6 +44,7 @@ class DecodeSettings:
     prefill_timeout_s: float = 60.0
     max_prefill_attempts: int = 2  # the router's pick, then one other prefill worker
     local_prefill_fallback: bool = False  # prefill here when no prefill worker succeeds
+    aggregated: bool = False  # prefill every request here (role "aggregated" in the registry)
 
 
 class AttemptFailedError(RuntimeError):
@@ -133,7 +136,14 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             math.inf if remaining_s is None else remaining_s, self.settings.prefill_timeout_s
         )
         loop = self.loop
-        reserved = loop.call(lambda: self.engine.reserve_for_remote_prefill(rid, prompt, params))
+        aggregated = self.settings.aggregated
+        if aggregated:  # decoding from the start: the engine owns the request (and aborts it)
+            watch.begin_decoding()
+            reserved, stream = loop.call(lambda: self._start_locally(rid, prompt, params))
+        else:
+            reserved = loop.call(
+                lambda: self.engine.reserve_for_remote_prefill(rid, prompt, params)
+            )
         # Runs when the call ends for any reason: in the prefill phase it only interrupts (the
         # handler fences, then frees); once decoding, the engine aborts (a no-op if finished).
         context.add_callback(
@@ -144,25 +154,32 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         finished = False
         try:
             prefill: wpb.PrefillResponse | None = None
+            first: StepOutput | None = None
             try:
-                prefill = self._remote_prefill(rid, reserved, request, params, watch, deadline_s)
+                if not aggregated:
+                    prefill = self._remote_prefill(
+                        rid, reserved, request, params, watch, deadline_s
+                    )
             except PrefillFailedError as e:
                 if not self.settings.local_prefill_fallback:
                     metrics.REQUESTS.labels("prefill_failed").inc()
                     raise
                 log.warning("%s: %s; prefilling locally", rid, e)
                 watch.begin_decoding()
-                first, stream = None, loop.call(lambda: self._restart_locally(rid, prompt, params))
+                stream = loop.call(lambda: self._restart_locally(rid, prompt, params))
             else:
-                metrics.PREFILL_SECONDS.labels(bucket).observe(time.monotonic() - started)
-                watch.begin_decoding()
-                first, stream = loop.call(lambda: self._commit(rid, prefill))
+                if prefill is not None:
+                    metrics.PREFILL_SECONDS.labels(bucket).observe(time.monotonic() - started)
+                    watch.begin_decoding()
+                    first, stream = loop.call(lambda: self._commit(rid, prefill))
             ttft_sent = False
             for output in _chain(first, stream):
                 message = wire.response(output)
                 if output.new_token_ids and not ttft_sent:
                     ttft_sent = True
                     message.ttft.CopyFrom(_ttft(request, prefill, started))
+                    if aggregated:  # queue and chunked prefill here are one span
+                        message.ttft.prefill_compute_s = time.monotonic() - started
                 if output.finished:
                     finished = True
                     message.usage.CopyFrom(self._usage(reserved, prefill))
@@ -189,6 +206,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         self.engine.abort_request(rid)
         self.engine.add_request(rid, prompt, params)
         return self.loop.open_stream(rid)
+
+    def _start_locally(self, rid: str, prompt: list[int], params: SamplingParams):
+        """Engine thread, aggregated: the request and its token stream (usage reads it)."""
+        stream = self._restart_locally(rid, prompt, params)
+        return self.engine.requests[rid], stream
 
     def _remote_prefill(
         self, rid: str, reserved: Request, request: wpb.DecodeRequest, params: SamplingParams,
@@ -297,10 +319,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             return self._channels[address]
 
     def _usage(self, reserved: Request, prefill: wpb.PrefillResponse | None) -> pb.Usage:
+        cached = reserved.num_cached_tokens if self.settings.aggregated else 0
         return pb.Usage(
             prompt_tokens=reserved.num_prompt_tokens,
             completion_tokens=reserved.num_output_tokens,
-            cached_prompt_tokens=prefill.num_prefix_hit_tokens if prefill else 0,
+            cached_prompt_tokens=prefill.num_prefix_hit_tokens if prefill else cached,
         )
 
 

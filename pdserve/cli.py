@@ -190,18 +190,26 @@ def decode(
     local_prefill_fallback: Annotated[
         bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
     ] = False,
+    aggregated: Annotated[
+        bool,
+        typer.Option(
+            envvar="PDSERVE_AGGREGATED",
+            help="Prefill every request here, chunked into the decode batch (no prefill pool).",
+        ),
+    ] = False,
     log_level: LogLevel = "info",
 ) -> None:
-    """Run a decode worker."""
+    """Run a decode worker (--aggregated: one that also prefills, taking whole requests)."""
     from decode_service.server import start
     from decode_service.service import DecodeSettings
 
     _setup_logging(log_level)
     decode_settings = DecodeSettings(
-        prefill_timeout_s=prefill_timeout_s, local_prefill_fallback=local_prefill_fallback
-    )
+        prefill_timeout_s=prefill_timeout_s, local_prefill_fallback=local_prefill_fallback,
+        aggregated=aggregated,
+    )  # fmt: skip
     settings = _worker_settings(
-        "decode",
+        "aggregated" if aggregated else "decode",
         redis_url=redis_url, model=model, dtype=dtype, threads=threads, host=host, port=port,
         advertise_host=advertise_host, metrics_port=metrics_port, worker_id=worker_id,
         kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
@@ -264,9 +272,18 @@ def router(
     max_queued_requests: Annotated[
         int, typer.Option(envvar="PDSERVE_MAX_QUEUED_REQUESTS")
     ] = _A.max_queued_requests,
+    ttft_slo_s: Annotated[
+        float,
+        typer.Option(
+            envvar="PDSERVE_TTFT_SLO_S",
+            help="Predicted TTFT above this: 429. 0 = 30 s, or none when only "
+            "--max-queue-wait-s is set.",
+        ),
+    ] = 0.0,
     max_queue_wait_s: Annotated[
-        float, typer.Option(envvar="PDSERVE_MAX_QUEUE_WAIT_S", help="Estimated; 429 above.")
-    ] = _A.max_queue_wait_s,
+        float,
+        typer.Option(envvar="PDSERVE_MAX_QUEUE_WAIT_S", help="Estimated; 429 above. 0 = off."),
+    ] = 0.0,
     queue_timeout_s: Annotated[
         float, typer.Option(envvar="PDSERVE_QUEUE_TIMEOUT_S")
     ] = _A.queue_timeout_s,
@@ -323,7 +340,8 @@ def router(
             mode=admission, buckets=LengthBuckets(short_below, long_above),
             medium_delay_s=medium_delay_s, long_delay_s=long_delay_s,
             prefill_token_budget=prefill_token_budget, max_queued_requests=max_queued_requests,
-            max_queue_wait_s=max_queue_wait_s, queue_timeout_s=queue_timeout_s,
+            ttft_slo_s=ttft_slo_s or None, max_queue_wait_s=max_queue_wait_s or None,
+            queue_timeout_s=queue_timeout_s,
             default_prefill_tokens_per_s=default_prefill_tokens_per_s,
         ),
         routing=RoutingSettings(routing_policy, watermark_a, watermark_b),
@@ -344,6 +362,9 @@ _RESTART = _restart_defaults()
 def up(
     num_prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,
     num_decode: Annotated[int, typer.Option("--decode", help="Decode workers.")] = 1,
+    num_aggregated: Annotated[
+        int, typer.Option("--aggregated", help="Aggregated workers (prefill + decode in one).")
+    ] = 0,
     model: Model = "smollm2-135m",
     dtype: DType = "auto",
     kv_backend: KVBackend = "auto",
@@ -372,7 +393,8 @@ def up(
 
     restart = RestartPolicy(restart_backoff_s, max_restart_backoff_s, _RESTART.stable_after_s)
     spec = ClusterSpec(
-        num_prefill=num_prefill, num_decode=num_decode, model=model, dtype=dtype,
+        num_prefill=num_prefill, num_decode=num_decode, num_aggregated=num_aggregated,
+        model=model, dtype=dtype,
         kv_backend=kv_backend, host=host, http_port=http_port, grpc_port=grpc_port,
         num_cores=cores, warmup=warmup, log_dir=Path(log_dir) if log_dir else None,
         router_args=("--routing-policy", routing_policy, "--admission", admission),

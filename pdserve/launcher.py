@@ -1,6 +1,6 @@
-"""The local cluster (`pdserve up`): Redis, N prefill and M decode workers and the router as
-child processes, the machine's cores divided among the workers, each restarted with backoff
-when it dies, all stopped cleanly in order."""
+"""The local cluster (`pdserve up`): Redis, N prefill, M decode and K aggregated workers and the
+router as child processes, the machine's cores divided among the workers, each restarted with
+backoff when it dies, all stopped cleanly in order."""
 
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ class Restarts:
 class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
+    num_aggregated: int = 0  # decode workers that prefill locally (`decode --aggregated`)
     model: str = "smollm2-135m"
     dtype: str = "float32"
     kv_backend: str = "auto"
@@ -91,7 +92,7 @@ class ClusterSpec:
         """Torch threads per worker: the cores shared out, because workers that each take
         every core thrash each other."""
         cores = self.num_cores or os.cpu_count() or 1
-        return max(1, cores // (self.num_prefill + self.num_decode))
+        return max(1, cores // max(1, self.num_prefill + self.num_decode + self.num_aggregated))
 
 
 @dataclass(slots=True)
@@ -167,6 +168,9 @@ class LocalCluster:
             for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
                 for i in range(count):
                     self._spawn(f"{role}-{i}", [role, *self._worker_args(f"{role}-{i}")])
+            for i in range(spec.num_aggregated):  # a decode child: it stops with that group
+                name = f"aggregated-{i}"
+                self._spawn(name, ["decode", *self._worker_args(name), "--aggregated"])
             if spec.with_router:  # starts while the workers load their models
                 self.router = self._spawn_router("router", spec.router_args,
                                                  spec.http_port, spec.grpc_port)  # fmt: skip
@@ -239,7 +243,11 @@ class LocalCluster:
 
     def _all_registered(self) -> bool:
         registry = Registry(self.redis_url)
-        wanted: dict[Role, int] = {"prefill": self.spec.num_prefill, "decode": self.spec.num_decode}
+        spec = self.spec
+        wanted: dict[Role, int] = {
+            "prefill": spec.num_prefill, "decode": spec.num_decode,
+            "aggregated": spec.num_aggregated,
+        }  # fmt: skip
         return all(len(registry.workers(r)) >= n for r, n in wanted.items())
 
     def _wait_ready(
@@ -384,7 +392,8 @@ class LocalCluster:
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
         })  # fmt: skip
         return "\n".join([
-            f"pdserve is up: {spec.num_prefill} prefill + {spec.num_decode} decode worker(s), "
+            f"pdserve is up: {spec.num_prefill} prefill + {spec.num_decode} decode + "
+            f"{spec.num_aggregated} aggregated worker(s), "
             f"{spec.threads_per_worker()} thread(s) each, model {spec.model} ({spec.dtype})",
             f"  OpenAI API  {url}/v1",
             f"  gRPC        {self.router.grpc_address}  (pdserve.v1.Generation)",

@@ -15,7 +15,10 @@ import redis
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
+# An aggregated worker is a decode worker that prefills locally (chunked prefill mixed into
+# its continuous batch): the router sends it whole requests, no prefill worker involved.
+Role = Literal["prefill", "decode", "aggregated"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "aggregated")
 KEY_PREFIX = "pdserve:workers"
 
 

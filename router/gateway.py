@@ -16,6 +16,7 @@ import grpc
 from engine import InvalidRequestError, SamplingParams
 from engine.tokenizer import ChatTemplateError, TextTokenizer
 from pdserve import wire
+from pdserve.registry import ROLES
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from router import metrics
@@ -67,7 +68,7 @@ class Gateway:
 
     def max_model_len(self) -> int:
         """The smallest context among registered workers (every request must fit anywhere)."""
-        lengths = [w.max_model_len for role in ("prefill", "decode") for w in self.pool.infos(role)]
+        lengths = [w.max_model_len for role in ROLES for w in self.pool.infos(role)]
         if not lengths:
             raise Unavailable("no worker is registered; retry when one is up")
         return min(lengths)
@@ -257,7 +258,8 @@ class Run:
         if is_migration and self.num_migrations >= gateway.settings.max_migrations:
             raise error
         excluded = self.ticket.excluded_decode_ids | {lost_id}
-        if all(w.worker_id in excluded for w in gateway.pool.infos("decode")):
+        decoders = gateway.pool.infos("decode") + gateway.pool.infos("aggregated")
+        if all(w.worker_id in excluded for w in decoders):
             if not is_migration:
                 raise error
             raise Unavailable(f"{error.message}; no other decode worker is left to continue it")

@@ -97,7 +97,7 @@ class RouterServer:
         except redis.RedisError as e:  # keep routing on the last snapshot until Redis is back
             log.warning("registry refresh failed: %s", e)
         self.admission.dispatch()  # capacity may have changed
-        ready = all(self.pool.infos(role) for role in ("prefill", "decode"))
+        ready = self.pool.serving()  # P + D pools, or aggregated workers
         assert self._grpc is not None
         await self._grpc.set_ready(ready)
 

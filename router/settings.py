@@ -14,6 +14,9 @@ POLICY_NAMES: tuple[PolicyName, ...] = ("watermark", "round_robin", "hash")
 ADMISSION_MODES: tuple[AdmissionMode, ...] = ("length_aware", "fifo")
 
 
+DEFAULT_TTFT_SLO_S = 30.0
+
+
 class SettingsError(ValueError):
     """A router setting that can never work (reported at start-up, with the value)."""
 
@@ -30,7 +33,11 @@ class AdmissionSettings:
     # the router, where the bucket order applies. An idle worker always takes one request.
     prefill_token_budget: int = 2048
     max_queued_requests: int = 256
-    max_queue_wait_s: float = 30.0  # estimated wait above this: reject at once (429)
+    # A request whose predicted time to first token (everything in front of it at the
+    # measured prefill speed) is over this is rejected at once (429). None: the default
+    # objective, unless only the older max_queue_wait_s is set (then that alone applies).
+    ttft_slo_s: float | None = None
+    max_queue_wait_s: float | None = None  # estimated router queue wait above this: 429
     queue_timeout_s: float = 120.0  # a queued request that waited this long gets a 429
     default_prefill_tokens_per_s: float = 500.0  # for a worker that has not measured yet
     kv_block_size: int = 16  # the workers' block size (not in the registry)
@@ -44,7 +51,8 @@ class AdmissionSettings:
             raise SettingsError(f"admission mode must be one of {ADMISSION_MODES}: {self.mode!r}")
         positive = {
             "prefill_token_budget": self.prefill_token_budget,
-            "max_queue_wait_s": self.max_queue_wait_s,
+            "ttft_slo_s": 1.0 if self.ttft_slo_s is None else self.ttft_slo_s,
+            "max_queue_wait_s": 1.0 if self.max_queue_wait_s is None else self.max_queue_wait_s,
             "queue_timeout_s": self.queue_timeout_s,
             "default_prefill_tokens_per_s": self.default_prefill_tokens_per_s,
             "kv_block_size": self.kv_block_size,
@@ -62,6 +70,13 @@ class AdmissionSettings:
             problems.append(f"kv_reject_below_ratio={self.kv_reject_below_ratio} not in [0, 1)")
         if problems:
             raise SettingsError("admission settings: " + "; ".join(problems))
+
+    @property
+    def ttft_limit_s(self) -> float | None:
+        """The TTFT objective admission sheds by (None: none, the queue wait limit alone)."""
+        if self.ttft_slo_s is None and self.max_queue_wait_s is not None:
+            return None
+        return DEFAULT_TTFT_SLO_S if self.ttft_slo_s is None else self.ttft_slo_s
 
     def delays_s(self) -> dict[LengthBucket, float]:
         """Per-bucket aging delay; FIFO is the same queue with every delay 0."""

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from pdserve.registry import Registry, Role, WorkerInfo
+from pdserve.registry import ROLES, Registry, Role, WorkerInfo
 from router.ledger import Assignment, Ledger, Share
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,11 @@ class WorkerView:
 
 @dataclass(slots=True)
 class WorkerPool:
+    """An aggregated worker is both sides at once: its prompt tokens are held in the prefill
+    ledger and its KV blocks in the decode ledger, under its own worker id."""
+
     default_tokens_per_s: float
-    _infos: dict[Role, list[WorkerInfo]] = field(
-        default_factory=lambda: {"prefill": [], "decode": []}
-    )
+    _infos: dict[Role, list[WorkerInfo]] = field(default_factory=lambda: {r: [] for r in ROLES})
     ledgers: dict[Role, Ledger] = field(
         default_factory=lambda: {"prefill": Ledger(), "decode": Ledger()}
     )
@@ -48,8 +49,13 @@ class WorkerPool:
         self._infos[role] = sorted(infos, key=lambda w: w.worker_id)
 
     async def refresh(self, registry: Registry) -> None:
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             self.update(role, await asyncio.to_thread(registry.workers, role))
+
+    def serving(self) -> bool:
+        """A whole request can be served: a prefill and a decode worker, or an aggregated one."""
+        infos = self._infos
+        return bool(infos["aggregated"]) or bool(infos["prefill"] and infos["decode"])
 
     def infos(self, role: Role) -> list[WorkerInfo]:
         return list(self._infos[role])
@@ -57,15 +63,29 @@ class WorkerPool:
     def views(self, role: Role) -> list[WorkerView]:
         return [self._view(role, info) for info in self._infos[role]]
 
-    def assign(self, role: Role, worker_id: str, amount: int) -> Assignment:
-        return self.ledgers[role].add(worker_id, amount)
+    def assign(self, side: Role, worker_id: str, amount: int) -> Assignment:
+        """side: "prefill" (prompt tokens) or "decode" (KV blocks)."""
+        return self.ledgers[side].add(worker_id, amount)
 
-    def release(self, role: Role, assignment: Assignment) -> None:
-        self.ledgers[role].end(assignment)
+    def release(self, side: Role, assignment: Assignment) -> None:
+        self.ledgers[side].end(assignment)
 
     def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
-        load, ledger = info.load, self.ledgers[role]
+        load = info.load
         tokens_per_s = load.prefill_tokens_per_s or self.default_tokens_per_s
+        if role == "aggregated":  # corrected on both sides; it prefills only what waits
+            queued = self.ledgers["prefill"].corrected(
+                info.worker_id, Share(load.queued_tokens, load.waiting_requests), info.updated_at
+            )
+            used = self.ledgers["decode"].corrected(
+                info.worker_id, Share(load.total_blocks - load.free_blocks, load.running_requests),
+                info.updated_at,
+            )  # fmt: skip
+            return WorkerView(
+                info, queued.amount, queued.count, tokens_per_s,
+                max(0, load.total_blocks - used.amount), load.total_blocks, used.count,
+            )  # fmt: skip
+        ledger = self.ledgers[role]
         if role == "prefill":
             reported = Share(load.queued_tokens, load.waiting_requests + load.running_requests)
             queued = ledger.corrected(info.worker_id, reported, info.updated_at)

@@ -1,5 +1,11 @@
 """Admission control: queue a request until a prefill worker has token budget and a decode
-worker has KV room for it, or reject it at once when the wait would be too long."""
+worker has KV room for it (or one aggregated worker has both), or reject it at once when its
+predicted time to first token is over the objective.
+
+Which pool serves a request: with only aggregated workers, or only prefill + decode pools,
+that one. A mixed cluster sends short-bucket prompts whole to the aggregated workers (a short
+prefill hardly stalls their decode batch) and medium and long ones split across the P/D pools
+(where a long prefill delays no one's decode)."""
 
 from __future__ import annotations
 
@@ -7,10 +13,12 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import Role
 from router import metrics
+from router.admission import metrics as admission_metrics
 from router.admission.queue import AdmissionQueue
 from router.errors import Overloaded, RejectReason, Unavailable
 from router.ledger import Assignment
@@ -19,11 +27,13 @@ from router.settings import AdmissionSettings
 from router.ticket import Ticket
 from router.workers import WorkerPool, WorkerView
 
+Kind = Literal["aggregated", "split"]  # served whole by one worker, or by a prefill + a decode
+
 
 @dataclass(slots=True)
 class Lease:
     """A dispatched request's hold on its workers: the prefill hold ends with the first token,
-    the decode hold with the request."""
+    the decode hold with the request. On an aggregated worker prefill and decode are one."""
 
     ticket: Ticket
     prefill: WorkerView
@@ -51,6 +61,7 @@ class Admission:
         self.clock = clock
         self.queue = AdmissionQueue(settings.delays_s())
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
+        self._predicted_wait_s: dict[str, float] = {}  # at arrival, for the error metric
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises Overloaded or Unavailable instead of queueing
@@ -58,19 +69,21 @@ class Admission:
         self._check_pools(ticket)
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = future
+        self._predicted_wait_s[ticket.request_id] = wait_s = self.estimated_wait_s(ticket)
         self.queue.push(ticket)
         self.dispatch()
         if not future.done():
-            self._check_queue(ticket)
+            self._check_queue(ticket, wait_s)
         try:
             async with asyncio.timeout(self.settings.queue_timeout_s):
                 return await future
         except TimeoutError:
+            retry_s = self.predicted_ttft_s(ticket)
             self._abandon(ticket, future)
             raise self._reject(
                 ticket, "queue_timeout",
                 f"waited {self.settings.queue_timeout_s:.0f} s in the queue without capacity",
-                self.settings.max_queue_wait_s,
+                max(1.0, retry_s),
             ) from None  # fmt: skip
         except asyncio.CancelledError:  # the client went away while queued
             self._abandon(ticket, future)
@@ -84,6 +97,7 @@ class Admission:
             if future is None or future.done():  # cancelled while queued
                 self.queue.pop()
                 self._waiters.pop(ticket.request_id, None)
+                self._predicted_wait_s.pop(ticket.request_id, None)
                 continue
             lease = self._place(ticket)
             if lease is None:
@@ -93,11 +107,22 @@ class Admission:
             future.set_result(lease)
         self._observe_depth()
 
+    def kind(self, ticket: Ticket) -> Kind:
+        """The pool that serves the request (the module docstring's rule)."""
+        aggregated = self.policies.aggregated is not None and bool(self.pool.infos("aggregated"))
+        split = bool(self.pool.infos("prefill")) and bool(self.pool.infos("decode"))
+        if aggregated and split:
+            return "aggregated" if ticket.bucket == "short" else "split"
+        return "aggregated" if aggregated else "split"
+
+    def _prefill_side(self, ticket: Ticket) -> list[WorkerView]:
+        return self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "prefill")
+
     def estimated_wait_s(self, ticket: Ticket) -> float:
-        """When the tokens in front of this request (in the workers and ahead in the queue)
-        have drained to within the workers' budgets, it can go: that many tokens at the
-        workers' measured speed."""
-        workers = self.pool.views("prefill")
+        """The router queue wait: when the tokens in front of this request (in the workers
+        that would prefill it and ahead in the queue) have drained to within the workers'
+        budgets, it can go: that many tokens at the workers' measured speed."""
+        workers = self._prefill_side(ticket)
         if not workers:
             return 0.0
         in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
@@ -105,21 +130,48 @@ class Admission:
         excess = in_front + ticket.num_prompt_tokens - budget
         return max(0.0, excess) / sum(w.tokens_per_s for w in workers)
 
-    def _place(self, ticket: Ticket) -> Lease | None:
+    def predicted_ttft_s(self, ticket: Ticket) -> float:
+        """Arrival to first token: every prompt token in front of it (in those workers and
+        ahead in the queue) at the pool's measured speed, then its own prompt on one worker."""
+        workers = self._prefill_side(ticket)
+        if not workers:
+            return 0.0
+        in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
+        speed = sum(w.tokens_per_s for w in workers)
+        return (in_front + ticket.num_prompt_tokens * len(workers)) / speed
+
+    def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView] | None:
+        """(prefill, decode) workers with room now; one worker twice when aggregated."""
+        if self.kind(ticket) == "aggregated":
+            assert self.policies.aggregated is not None
+            worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
+            return None if worker is None else (worker, worker)
         prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
         if prefill is None:
             return None
         decode = self.policies.decode.choose(self.pool.views("decode"), ticket)
-        if decode is None:
+        return None if decode is None else (prefill, decode)
+
+    def _place(self, ticket: Ticket) -> Lease | None:
+        chosen = self._choose(ticket)
+        if chosen is None:
             return None
+        prefill, decode = chosen
         holds: dict[Role, Assignment] = {
             "prefill": self.pool.assign("prefill", prefill.worker_id, ticket.num_prompt_tokens),
             "decode": self.pool.assign("decode", decode.worker_id, ticket.num_kv_blocks),
         }
         wait_s = self.clock() - ticket.arrival_s
         metrics.QUEUE_WAIT.labels(ticket.bucket).observe(wait_s)
-        metrics.ROUTED.labels("prefill", prefill.worker_id).inc()
-        metrics.ROUTED.labels("decode", decode.worker_id).inc()
+        predicted_s = self._predicted_wait_s.pop(ticket.request_id, None)
+        if predicted_s is not None:
+            admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(predicted_s)
+            admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - predicted_s)
+        if prefill is decode:
+            metrics.ROUTED.labels("aggregated", prefill.worker_id).inc()
+        else:
+            metrics.ROUTED.labels("prefill", prefill.worker_id).inc()
+            metrics.ROUTED.labels("decode", decode.worker_id).inc()
         return Lease(ticket, prefill, decode, wait_s, holds, self._release)
 
     def _release(self, role: Role, hold: Assignment) -> None:
@@ -128,10 +180,14 @@ class Admission:
             self.dispatch()
 
     def _check_pools(self, ticket: Ticket) -> None:
-        for role in ("prefill", "decode"):
-            if not self.pool.infos(role):
-                raise Unavailable(f"no {role} worker is registered; retry when one is up")
-        decode = self.pool.views("decode")
+        if not self.pool.serving():
+            for role in ("prefill", "decode"):
+                if not self.pool.infos(role):
+                    raise Unavailable(
+                        f"no {role} worker (and no aggregated worker) is registered; retry "
+                        "when one is up"
+                    )
+        decode = self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "decode")
         num_free = sum(w.free_blocks for w in decode)
         num_total = sum(w.total_blocks for w in decode)
         if num_free < self.settings.kv_reject_below_ratio * num_total:
@@ -140,24 +196,31 @@ class Admission:
                 f"decode KV cache is full ({num_free} of {num_total} blocks free)", 1.0,
             )  # fmt: skip
 
-    def _check_queue(self, ticket: Ticket) -> None:
-        """For a request that has to wait: is there room, and would the wait be acceptable?"""
-        wait_s = self.estimated_wait_s(ticket)
-        limit_s = self.settings.max_queue_wait_s
-        if len(self.queue) > self.settings.max_queued_requests:
+    def _check_queue(self, ticket: Ticket, wait_s: float) -> None:
+        """For a request that has to wait: is there room, and would it get its first token in
+        time? Retry-After: when enough of what is in front has drained."""
+        settings = self.settings
+        if len(self.queue) > settings.max_queued_requests:
             self._drop(ticket, "queue_full", f"{len(self.queue) - 1} requests queued", wait_s)
-        if wait_s > limit_s:
+        slo_s = settings.ttft_limit_s
+        if slo_s is not None and (ttft_s := self.predicted_ttft_s(ticket)) > slo_s:
+            message = f"predicted time to first token {ttft_s:.1f} s is over the {slo_s:.1f} s SLO"
+            self._drop(ticket, "queue_wait", message, ttft_s - slo_s)
+        limit_s = settings.max_queue_wait_s
+        if limit_s is not None and wait_s > limit_s:
             message = f"estimated queue wait {wait_s:.1f} s is over the {limit_s:.1f} s limit"
             self._drop(ticket, "queue_wait", message, wait_s - limit_s)
 
     def _drop(self, ticket: Ticket, reason: RejectReason, message: str, retry_s: float) -> None:
         self.queue.remove(ticket)
         del self._waiters[ticket.request_id]
+        self._predicted_wait_s.pop(ticket.request_id, None)
         self._observe_depth()
         raise self._reject(ticket, reason, message, max(1.0, retry_s))
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Lease]) -> None:
         self._waiters.pop(ticket.request_id, None)
+        self._predicted_wait_s.pop(ticket.request_id, None)
         if self.queue.remove(ticket):
             self._observe_depth()
         elif future.done() and not future.cancelled():

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from engine import SamplingParams
+from pdserve.registry import ROLES
 from router import metrics
 from router.auth import check_bearer
 from router.errors import NotFound, Overloaded, RouterError, status_of
@@ -59,8 +60,8 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        counts = {role: len(gateway.pool.infos(role)) for role in ("prefill", "decode")}
-        ready = all(counts.values())
+        counts = {role: len(gateway.pool.infos(role)) for role in ROLES}
+        ready = gateway.pool.serving()
         body = {"status": "ok" if ready else "no workers", "workers": counts}
         return JSONResponse(body, 200 if ready else 503)
 
@@ -79,8 +80,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         queue = {b: admission.queue.depth(b) for b in admission.queue.delays_s}
         pool = gateway.pool
         workers = [
-            _worker_json(view, pool.ledgers[role].share(view.worker_id))
-            for role in ("prefill", "decode")
+            _worker_json(
+                view, pool.ledgers["decode" if role == "aggregated" else role].share(view.worker_id)
+            )  # fmt: skip
+            for role in ROLES
             for view in pool.views(role)
         ]
         return {"workers": workers, "queue": queue}

@@ -1,7 +1,7 @@
 """The named routing policies (PDSERVE_ROUTING_POLICY), each a prefill and a decode policy.
 All apply the same filters (context fits, prefill token budget, decode KV room, not a decode
 worker the request was lost on); they differ only in how they choose among the workers that
-pass."""
+pass. An aggregated worker is chosen with both sides' filters, prefill's scorer first."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from router.settings import AdmissionSettings, RoutingSettings
 class RoutingPolicies:
     prefill: Policy
     decode: Policy
+    aggregated: Policy | None = None  # None: aggregated workers are never chosen
 
 
 def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> RoutingPolicies:
@@ -26,6 +27,7 @@ def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> Ro
         PrefillBudget(admission.prefill_token_budget),
     )
     decode_filters: tuple[Filter, ...] = (ContextFits(), NotExcluded(), KVFits())
+    aggregated_filters = (*prefill_filters, NotExcluded(), KVFits())
     if routing.policy == "watermark":
         prefill_scorers: tuple[tuple[float, Scorer], ...] = (
             (1.0, Watermark(routing.watermark_a, routing.watermark_b)),
@@ -37,9 +39,11 @@ def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> Ro
         return RoutingPolicies(
             Policy(prefill_filters, prefill_scorers, LowestCost()),
             Policy(decode_filters, decode_scorers, LowestCost()),
+            Policy(aggregated_filters, (*prefill_scorers, (0.1, KVUsage())), LowestCost()),
         )
     # The baselines ignore load: each role gets its own rotation (or hash) of its workers.
     make_picker = RoundRobin if routing.policy == "round_robin" else PrefixHash
     return RoutingPolicies(
-        Policy(prefill_filters, (), make_picker()), Policy(decode_filters, (), make_picker())
-    )
+        Policy(prefill_filters, (), make_picker()), Policy(decode_filters, (), make_picker()),
+        Policy(aggregated_filters, (), make_picker()),
+    )  # fmt: skip

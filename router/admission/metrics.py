@@ -1,0 +1,20 @@
+"""Admission's own metrics: the queue wait it predicted for each request beside the wait that
+request then had (router/metrics.py's pdserve_router_queue_wait_seconds), both observed when the
+request leaves the queue, so per bucket the two histograms' sums and counts compare directly."""
+
+from prometheus_client import Histogram
+
+_WAIT_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Signed: observed minus predicted (positive: the estimate was too optimistic).
+_ERROR_S = (-60, -30, -10, -5, -2.5, -1, -0.5, -0.1, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+QUEUE_WAIT_PREDICTED = Histogram(
+    "pdserve_router_queue_wait_predicted_seconds",
+    "The router queue wait admission predicted at arrival, for requests that were dispatched",
+    ["length_bucket"], buckets=_WAIT_S,
+)  # fmt: skip
+QUEUE_WAIT_ERROR = Histogram(
+    "pdserve_router_queue_wait_prediction_error_seconds",
+    "Observed minus predicted router queue wait, per dispatched request",
+    ["length_bucket"], buckets=_ERROR_S,
+)  # fmt: skip

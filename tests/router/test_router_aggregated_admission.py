@@ -1,0 +1,132 @@
+"""Admission, pure, with aggregated workers: which pool serves a request, aggregated-only
+clusters, and shedding by the predicted time to first token (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from router_harness import ticket, worker
+
+from router.admission import Admission
+from router.errors import Overloaded, Unavailable
+from router.routing import build_policies
+from router.settings import AdmissionSettings, RoutingSettings
+from router.workers import WorkerPool
+
+
+def admission(*infos, **settings) -> Admission:
+    admission_settings = AdmissionSettings(**settings)
+    pool = WorkerPool(500.0)
+    for role in ("prefill", "decode", "aggregated"):
+        pool.update(role, [i for i in infos if i.role == role])
+    policies = build_policies(RoutingSettings("watermark"), admission_settings)
+    return Admission(admission_settings, pool, policies)
+
+
+SPLIT = (worker("prefill", "p", tokens_per_s=1000), worker("decode", "d"))
+AGGREGATED = worker("aggregated", "a", tokens_per_s=1000)
+
+
+def test_aggregated_only_cluster_serves_whole_requests_on_one_worker():
+    async def scenario() -> None:
+        adm = admission(AGGREGATED)
+        lease = await adm.admit(ticket("r", 320, max_tokens=16))
+        assert lease.prefill is lease.decode and lease.decode.worker_id == "a"
+        (view,) = adm.pool.views("aggregated")
+        assert (view.queued_tokens, view.free_blocks) == (320, 1024 - 21)
+        lease.end_prefill()  # the first token: its prompt no longer queues, its KV stays
+        (view,) = adm.pool.views("aggregated")
+        assert (view.queued_tokens, view.free_blocks) == (0, 1024 - 21)
+        lease.end()
+        (view,) = adm.pool.views("aggregated")
+        assert (view.queued_tokens, view.free_blocks) == (0, 1024)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "num_prompt, expected",
+    [
+        pytest.param(100, ("a", "a"), id="short-goes-whole-to-aggregated"),
+        pytest.param(600, ("p", "d"), id="medium-goes-split"),
+        pytest.param(3000, ("p", "d"), id="long-goes-split"),
+    ],
+)
+def test_mixed_cluster_routes_short_prompts_whole_and_longer_ones_split(num_prompt, expected):
+    async def scenario() -> tuple[str, str]:
+        lease = await admission(*SPLIT, AGGREGATED).admit(ticket("r", num_prompt))
+        return lease.prefill.worker_id, lease.decode.worker_id
+
+    assert asyncio.run(scenario()) == expected
+
+
+def test_no_pool_that_can_serve_is_unavailable():
+    async def scenario() -> None:
+        with pytest.raises(Unavailable) as missing:
+            await admission(worker("decode", "d")).admit(ticket("r", 100))
+        assert missing.value.message == (
+            "no prefill worker (and no aggregated worker) is registered; retry when one is up"
+        )
+        full = admission(worker("aggregated", "a", free_blocks=40))
+        with pytest.raises(Overloaded) as no_kv:
+            await full.admit(ticket("r", 100))
+        assert no_kv.value.reason == "kv_headroom"
+
+    asyncio.run(scenario())
+
+
+def test_a_bounded_closed_loop_under_the_ttft_slo_gets_no_429():
+    """32 clients, 256-token prompts, one prefill worker at 500 tokens/s and a budget of one
+    prompt: the last one in is predicted to wait for 31 prompts and its own, 16.4 s; under a
+    30 s objective all queue, none is rejected."""
+
+    async def scenario() -> float:
+        adm = admission(worker("prefill", "p", tokens_per_s=500), worker("decode", "d"),
+                        prefill_token_budget=256)  # fmt: skip
+        leases = [await adm.admit(ticket("c0", 256))]
+        waiting = [asyncio.ensure_future(adm.admit(ticket(f"c{i}", 256))) for i in range(1, 32)]
+        await asyncio.sleep(0)
+        assert len(adm.queue) == 31 and not any(f.done() for f in waiting)
+        probe_s = adm.predicted_ttft_s(ticket("probe", 256))
+        for future in waiting:  # each finished request lets the next one go, in order
+            leases[-1].end()
+            await asyncio.sleep(0)
+            leases.append(future.result())  # raises if it was rejected
+        leases[-1].end()
+        return probe_s
+
+    # A probe behind all 32: 32 * 256 in front, then its own 256, at 500 tokens/s.
+    assert asyncio.run(scenario()) == pytest.approx(33 * 256 / 500)
+
+
+def test_predicted_ttft_over_the_slo_is_rejected_with_an_honest_retry_after():
+    async def scenario() -> None:
+        adm = admission(*SPLIT, prefill_token_budget=1000, ttft_slo_s=3.0)
+        await adm.admit(ticket("busy", 2500))  # 2500 queued tokens at 1000 tokens/s
+        with pytest.raises(Overloaded) as rejected:
+            await adm.admit(ticket("excess", 600))
+        assert rejected.value.reason == "queue_wait"
+        # 2500 in front + its own 600 at 1000 tokens/s = 3.1 s predicted: 0.1 s over, so the
+        # floor of 1 s; a later, bigger one is told what it is over by.
+        assert rejected.value.retry_after_s == 1.0
+        with pytest.raises(Overloaded) as bigger:
+            await adm.admit(ticket("bigger", 2900))
+        assert bigger.value.retry_after_s == pytest.approx(2.4)
+        assert str(bigger.value) == (
+            "predicted time to first token 5.4 s is over the 3.0 s SLO; retry in 2 s"
+        )
+        assert len(adm.queue) == 0
+        fits = asyncio.ensure_future(adm.admit(ticket("fits", 400)))
+        await asyncio.sleep(0)
+        assert len(adm.queue) == 1  # 2.9 s predicted: it waits
+        fits.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_default_slo_and_the_old_queue_wait_flag():
+    assert AdmissionSettings().ttft_limit_s == 30.0
+    assert AdmissionSettings(ttft_slo_s=60.0).ttft_limit_s == 60.0
+    # The older flag alone keeps its meaning: only the queue wait estimate is limited.
+    assert AdmissionSettings(max_queue_wait_s=5.0).ttft_limit_s is None
