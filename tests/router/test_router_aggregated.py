@@ -1,0 +1,150 @@
+"""Aggregated serving on real processes: `pdserve up --prefill 0 --decode 0 --aggregated 1`
+serves through one worker that prefills and decodes, with the engine's own greedy tokens; a
+prefill and a decode worker joining make it a mixed cluster, where short prompts still go
+whole to the aggregated worker and longer ones split across the P/D pools."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import httpx
+import pytest
+from router_harness import one_torch_thread
+
+from engine import SamplingParams
+from pdserve.redis_server import free_port
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc
+from tests.cluster import Cluster
+
+# For `up`'s children: the router's short bucket (what a mixed cluster sends whole) and the
+# aggregated worker's prefill chunk, so the medium prompt is prefilled in four chunks.
+UP_ENV = {"PDSERVE_SHORT_BELOW": "64", "PDSERVE_CHUNK_SIZE": "128"}
+NUM_TOKENS = 8
+SHORT = "The capital of France is"
+MEDIUM = " ".join(f"Crate {i} held {i * 7} apples." for i in range(40))  # ~400 tokens
+
+
+class Up:
+    def __init__(self, http_url: str, grpc_address: str, redis_url: str) -> None:
+        self.http_url, self.grpc_address, self.redis_url = http_url, grpc_address, redis_url
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.http_url}/metrics", timeout=10).text
+        wanted = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        for line in text.splitlines():
+            if line.startswith(name + (wanted if labels else " ")):
+                return float(line.split()[-1])
+        return 0.0
+
+    def generate(self, prompt_ids: list[int]) -> list[int]:
+        params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=params)
+        with grpc.insecure_channel(self.grpc_address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return [t for m in stub.Generate(request, timeout=300) for t in m.token_ids]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    http_port, grpc_port = free_port(), free_port()
+    command = [
+        sys.executable, "-m", "pdserve.cli", "up", "--prefill", "0", "--decode", "0",
+        "--aggregated", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--no-warmup", "--kv-backend", "tcp", "--cores", "1",
+        "--log-dir", str(tmp_path_factory.mktemp("pdserve-up-aggregated")),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=os.environ | UP_ENV)  # fmt: skip
+    banner = []
+    for line in process.stdout:
+        banner.append(line)
+        if line.startswith("Ctrl-C stops everything"):
+            break
+    text = "".join(banner)
+    assert "pdserve is up: 0 prefill + 0 decode + 1 aggregated worker(s)" in text, text
+    redis_url = re.search(r"Redis\s+(\S+)", text).group(1)
+    yield Up(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, rest
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> Callable[[list[int]], list[int]]:
+    def run(prompt_ids: list[int]) -> list[int]:
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+        with one_torch_thread():
+            return llm.generate([prompt_ids], params)[0].token_ids
+
+    return run
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.2)
+
+
+def test_aggregated_cluster_gives_the_engines_greedy_tokens(up, llm, reference):
+    health = httpx.get(f"{up.http_url}/health", timeout=10)
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "workers": {"prefill": 0, "decode": 0,
+                                                         "aggregated": 1}}  # fmt: skip
+    medium = llm.tokenizer.encode(MEDIUM)
+    assert 384 < len(medium) < 512  # four 128-token chunks; the medium bucket
+    for prompt in (llm.tokenizer.encode(SHORT), medium):
+        assert up.generate(prompt) == reference(prompt)
+    assert up.metric("pdserve_router_routed_total", role="aggregated", worker="aggregated-0") == 2
+    assert up.metric("pdserve_router_routed_total", role="prefill", worker="aggregated-0") == 0
+    # Every dispatched request's predicted wait is observed beside its actual one.
+    for bucket in ("short", "medium"):
+        assert up.metric("pdserve_router_queue_wait_predicted_seconds_count",
+                         length_bucket=bucket) == 1  # fmt: skip
+        assert up.metric("pdserve_router_queue_wait_prediction_error_seconds_count",
+                         length_bucket=bucket) == 1  # fmt: skip
+
+
+def test_mixed_cluster_sends_short_prompts_whole_and_longer_ones_split(up, llm, reference):
+    workers = Cluster(redis=_Attached(up.redis_url))  # type: ignore[arg-type]
+    try:
+        prefill = workers.start("prefill", "--chunk-size", "128")
+        decode = workers.start("decode")
+        wait_until(
+            lambda: (
+                httpx.get(f"{up.http_url}/health", timeout=10).json()["workers"]
+                == {"prefill": 1, "decode": 1, "aggregated": 1}
+            ),
+            "the router sees all three",
+        )
+        short, medium = llm.tokenizer.encode(SHORT), llm.tokenizer.encode(MEDIUM)
+        routed = lambda role, worker: up.metric(  # noqa: E731
+            "pdserve_router_routed_total", role=role, worker=worker
+        )
+        before = routed("aggregated", "aggregated-0")
+        assert up.generate(short) == reference(short)
+        assert routed("aggregated", "aggregated-0") == before + 1
+        assert up.generate(medium) == reference(medium)  # medium bucket: split
+        assert routed("aggregated", "aggregated-0") == before + 1
+        assert routed("prefill", prefill.worker_id) == 1
+        assert routed("decode", decode.worker_id) == 1
+    finally:
+        workers.stop()
+
+
+class _Attached:
+    """The `up` cluster's Redis for tests.cluster.Cluster, which stops only what it started."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def stop(self) -> None:
+        pass
