@@ -197,9 +197,10 @@ class WorkerRuntime:
         KV_BLOCKS_USED.set(num_used)
         KV_CACHE_USAGE.set(num_used / stats.num_blocks)
         KV_BLOCKS_QUARANTINED.set(stats.num_quarantined_blocks)
-        if self.settings.role == "prefill":
+        role = self.settings.role
+        if role != "decode":  # an aggregated worker has both signals
             PREFILL_QUEUED_TOKENS.set(stats.num_queued_tokens)
-        else:
+        if role != "prefill":
             DECODE_RUNNING.set(stats.num_running_requests)
 
     # ---- request admission and draining -------------------------------------------------------

@@ -18,6 +18,15 @@
 {{- end }}
 {{- end }}
 
+{{/* The worker pools this release deploys, as a JSON list (the aggregated one is optional). */}}
+{{- define "pdserve.workerPools" -}}
+{{- $pools := list "prefill" "decode" }}
+{{- if .Values.aggregated.enabled }}
+{{- $pools = append $pools "aggregated" }}
+{{- end }}
+{{- toJson $pools }}
+{{- end }}
+
 {{/* (dict "ctx" $ "component" "prefill") -> "<fullname>-prefill" */}}
 {{- define "pdserve.componentName" -}}
 {{- printf "%s-%s" (include "pdserve.fullname" .ctx) .component }}

@@ -1,8 +1,9 @@
 {{/*
 A worker pool: Deployment, headless Service (metrics discovery; workers are found through the
 Redis registry by pod IP, never through this Service) and PodDisruptionBudget.
-prefill.yaml and decode.yaml render it, each with its own values: the pools share no object,
-so changing one pool's values never touches the other's.
+prefill.yaml, decode.yaml and aggregated.yaml render it, each with its own values: the pools
+share no object, so changing one pool's values never touches the other's. The aggregated pool
+runs `pdserve decode --aggregated`.
 (dict "ctx" $ "component" "prefill" "values" .Values.prefill)
 */}}
 {{- define "pdserve.pool" -}}
@@ -48,7 +49,12 @@ spec:
           image: {{ include "pdserve.imageRef" (dict "image" $root.Values.image "appVersion" $root.Chart.AppVersion) }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args:
+            {{- if eq .component "aggregated" }}
+            - decode
+            - --aggregated
+            {{- else }}
             - {{ .component }}
+            {{- end }}
             # Bind every interface: peers reach the pod by its IP (PDSERVE_ADVERTISE_HOST).
             - --host=0.0.0.0
             - --port={{ $values.port }}
