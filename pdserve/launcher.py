@@ -327,8 +327,9 @@ class LocalCluster:
         if child.role not in ("prefill", "decode"):
             return
         worker_id = child.args[child.args.index("--worker-id") + 1]
+        role = "aggregated" if "--aggregated" in child.args else child.role
         try:
-            Registry(self.redis_url).remove(child.role, worker_id)  # type: ignore[arg-type]
+            Registry(self.redis_url).remove(role, worker_id)  # type: ignore[arg-type]
         except redis.RedisError as e:  # Redis down too: the TTL still expires the entry
             report(f"could not remove {worker_id} from the registry: {e}")
 
