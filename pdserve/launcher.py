@@ -447,12 +447,13 @@ def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes
             log.write(b"\n---- restarted by the pdserve launcher ----\n")
             log.flush()
         return subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *args],
+            [sys.executable, "-m", "pdserve.launcher", *args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=os.environ | {"TOKENIZERS_PARALLELISM": "false"},
+            env=os.environ | {"TOKENIZERS_PARALLELISM": "false",
+                              _LAUNCHER_PID_ENV: str(os.getpid())},
             # Own session: Ctrl-C reaches only the launcher, which stops the cluster in
             # order; the children still die with the launcher if it is killed.
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True,
         )  # fmt: skip
 
 
@@ -490,13 +491,29 @@ def _libc_prctl() -> Callable[..., int] | None:
         return None
 
 
-# Resolved here, not in the forked child: loading a library there could deadlock.
-_PRCTL = _libc_prctl()
 _PR_SET_PDEATHSIG = 1
+_LAUNCHER_PID_ENV = "PDSERVE_LAUNCHER_PID"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies (Linux), so a killed launcher
-    leaves no workers behind."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(launcher_pid: int) -> None:
+    """In the child, first thing after exec: SIGTERM when the launcher's thread that started
+    it ends (Linux), so a killed launcher leaves no workers behind."""
+    prctl = _libc_prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher_pid:  # it died before the line above: follow it now
+        sys.exit(f"the launcher (pid {launcher_pid}) is gone")
+
+
+def _child_main() -> None:
+    """`python -m pdserve.launcher ARGS`: how the launcher runs `pdserve ARGS`. Not a
+    preexec_fn: Python code between fork and exec, in a process with busy gRPC threads (a
+    benchmark's clients), crashed about one child in four (SIGSEGV, SIGABRT)."""
+    _die_with_parent(int(os.environ[_LAUNCHER_PID_ENV]))
+    from pdserve.cli import app
+
+    app(args=sys.argv[1:], prog_name="pdserve")
+
+
+if __name__ == "__main__":
+    _child_main()
