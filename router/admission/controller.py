@@ -19,6 +19,7 @@ from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import Role
 from router import metrics
 from router.admission import metrics as admission_metrics
+from router.admission.drain import DrainRates
 from router.admission.queue import AdmissionQueue
 from router.errors import Overloaded, RejectReason, Unavailable
 from router.ledger import Assignment
@@ -62,6 +63,7 @@ class Admission:
         self.queue = AdmissionQueue(settings.delays_s())
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._predicted_wait_s: dict[str, float] = {}  # at arrival, for the error metric
+        self.drain = DrainRates()  # how fast each worker's prefill budget really frees
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises Overloaded or Unavailable instead of queueing
@@ -128,7 +130,10 @@ class Admission:
         in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
         budget = self.settings.prefill_token_budget * len(workers)
         excess = in_front + ticket.num_prompt_tokens - budget
-        return max(0.0, excess) / sum(w.tokens_per_s for w in workers)
+        return max(0.0, excess) / self._speed(workers)
+
+    def _speed(self, workers: list[WorkerView]) -> float:
+        return sum(self.drain.speed(w.worker_id, w.tokens_per_s) for w in workers)
 
     def predicted_ttft_s(self, ticket: Ticket) -> float:
         """Arrival to first token: every prompt token in front of it (in those workers and
@@ -137,8 +142,7 @@ class Admission:
         if not workers:
             return 0.0
         in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
-        speed = sum(w.tokens_per_s for w in workers)
-        return (in_front + ticket.num_prompt_tokens * len(workers)) / speed
+        return (in_front + ticket.num_prompt_tokens * len(workers)) / self._speed(workers)
 
     def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView] | None:
         """(prefill, decode) workers with room now; one worker twice when aggregated."""
@@ -161,7 +165,9 @@ class Admission:
             "prefill": self.pool.assign("prefill", prefill.worker_id, ticket.num_prompt_tokens),
             "decode": self.pool.assign("decode", decode.worker_id, ticket.num_kv_blocks),
         }
-        wait_s = self.clock() - ticket.arrival_s
+        now_s = self.clock()
+        self.drain.started(prefill.worker_id, now_s)
+        wait_s = now_s - ticket.arrival_s
         metrics.QUEUE_WAIT.labels(ticket.bucket).observe(wait_s)
         predicted_s = self._predicted_wait_s.pop(ticket.request_id, None)
         if predicted_s is not None:
@@ -177,6 +183,8 @@ class Admission:
     def _release(self, role: Role, hold: Assignment) -> None:
         if hold.ended_at is None:
             self.pool.release(role, hold)
+            if role == "prefill":
+                self.drain.ended(hold.worker_id, hold.amount, self.clock())
             self.dispatch()
 
     def _check_pools(self, ticket: Ticket) -> None:

@@ -15,13 +15,21 @@ from router.settings import AdmissionSettings, RoutingSettings
 from router.workers import WorkerPool
 
 
-def admission(*infos, **settings) -> Admission:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission(*infos, clock=None, **settings) -> Admission:
     admission_settings = AdmissionSettings(**settings)
     pool = WorkerPool(500.0)
     for role in ("prefill", "decode", "aggregated"):
         pool.update(role, [i for i in infos if i.role == role])
     policies = build_policies(RoutingSettings("watermark"), admission_settings)
-    return Admission(admission_settings, pool, policies)
+    return Admission(admission_settings, pool, policies, clock or Clock())
 
 
 SPLIT = (worker("prefill", "p", tokens_per_s=1000), worker("decode", "d"))
@@ -130,3 +138,25 @@ def test_default_slo_and_the_old_queue_wait_flag():
     assert AdmissionSettings(ttft_slo_s=60.0).ttft_limit_s == 60.0
     # The older flag alone keeps its meaning: only the queue wait estimate is limited.
     assert AdmissionSettings(max_queue_wait_s=5.0).ttft_limit_s is None
+
+
+def test_the_estimates_use_the_drain_the_router_observed_when_it_is_slower():
+    """The worker computes 1000 tokens/s, but its budget frees only at each first token."""
+
+    async def scenario() -> list[float]:
+        clock = Clock()
+        adm = admission(*SPLIT, clock=clock)
+        probe = ticket("probe", 400)
+        speeds = [adm.predicted_ttft_s(probe)]  # nothing measured: the worker's own speed
+        lease = await adm.admit(ticket("a", 600))
+        clock.now = 1.2
+        lease.end_prefill()  # 600 tokens drained in 1.2 s: 500 tokens/s
+        lease.end()
+        speeds.append(adm.predicted_ttft_s(probe))
+        lease = await adm.admit(ticket("b", 600))
+        clock.now = 1.3
+        lease.end_prefill()  # 6000 tokens/s for once: smoothed, then capped by the worker's
+        speeds.append(adm.predicted_ttft_s(probe))
+        return speeds
+
+    assert asyncio.run(scenario()) == [pytest.approx(0.4), pytest.approx(0.8), pytest.approx(0.4)]

@@ -1,0 +1,59 @@
+"""How fast each worker's prefill budget really frees, as this router sees it.
+
+A worker's own prefill speed (the registry's tokens/s) counts compute only; the budget a
+request holds is freed at its first token, after the KV transfer and the decode worker's first
+step as well. So the router measures the drain itself: prompt tokens whose prefill hold ended,
+per second during which the worker held any of this router's prefills. The wait estimates use
+the slower of the two speeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIN_SAMPLE_TOKENS = 512  # fewer tokens per sample measure overheads, not the drain
+SMOOTHING = 0.3  # weight of the newest sample
+
+
+@dataclass(slots=True)
+class DrainMeter:
+    num_active: int = 0
+    busy_since_s: float = 0.0
+    tokens: int = 0  # released since the last sample
+    busy_s: float = 0.0  # busy time since the last sample, closed spans only
+    tokens_per_s: float = 0.0  # 0: not measured yet
+
+    def started(self, now_s: float) -> None:
+        if self.num_active == 0:
+            self.busy_since_s = now_s
+        self.num_active += 1
+
+    def ended(self, num_tokens: int, now_s: float) -> None:
+        self.num_active -= 1
+        self.tokens += num_tokens
+        busy_s = self.busy_s + now_s - self.busy_since_s
+        if self.num_active == 0:
+            self.busy_s = busy_s
+        if self.tokens >= MIN_SAMPLE_TOKENS and busy_s > 0:
+            sample = self.tokens / busy_s
+            rate = self.tokens_per_s
+            self.tokens_per_s = sample if rate == 0 else (1 - SMOOTHING) * rate + SMOOTHING * sample
+            self.tokens, self.busy_s, self.busy_since_s = 0, 0.0, now_s
+
+
+@dataclass(slots=True)
+class DrainRates:
+    _meters: dict[str, DrainMeter] = field(default_factory=dict)
+
+    def started(self, worker_id: str, now_s: float) -> None:
+        self._meters.setdefault(worker_id, DrainMeter()).started(now_s)
+
+    def ended(self, worker_id: str, num_tokens: int, now_s: float) -> None:
+        self._meters[worker_id].ended(num_tokens, now_s)
+
+    def speed(self, worker_id: str, reported_tokens_per_s: float) -> float:
+        """The slower of the worker's reported prefill speed and its measured drain."""
+        meter = self._meters.get(worker_id)
+        if meter is None or meter.tokens_per_s == 0:
+            return reported_tokens_per_s
+        return min(reported_tokens_per_s, meter.tokens_per_s)
