@@ -117,6 +117,9 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     # Decode steps replay CUDA graphs (CUDA only; on the CPU this setting does nothing).
     cuda_graphs: bool = True
+    # "int8": weight-only int8 linear layers (engine.quantization; docs/engine.md has what it
+    # costs in quality and buys in speed). "none" keeps the weights in dtype.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -127,6 +130,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 "attention_backend must be auto, sdpa, flashinfer or flash_attn, got "
                 f"{self.attention_backend!r}"
+            )
+        if self.quantization not in ("none", "int8"):
+            raise InvalidRequestError(
+                f"quantization must be none or int8, got {self.quantization!r}"
             )
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequestError(

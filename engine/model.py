@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from engine.config import ModelConfig
+from engine.quantization import Int8Weight, Quantization, linear, quantize_int8, weight_tensors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,8 +63,16 @@ class DecoderLayer:
         self.input_norm = w.pop(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = w.pop(f"{prefix}.post_attention_layernorm.weight")
 
+    def quantize_int8(self) -> None:
+        """Every linear weight of the layer to int8 (engine.quantization); norms stay."""
+        self.qkv_weight = quantize_int8(self.qkv_weight)
+        self.o_weight = quantize_int8(self.o_weight)
+        self.gate_up_weight = quantize_int8(self.gate_up_weight)
+        self.down_weight = quantize_int8(self.down_weight)
+
     def tensors(self) -> list[torch.Tensor]:
-        weights = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
+        linears = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
+        weights = [t for w in linears for t in weight_tensors(w)]
         bias = [] if self.qkv_bias is None else [self.qkv_bias]
         return [*weights, *bias, self.input_norm, self.post_attn_norm]
 
@@ -77,7 +86,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         cfg = self.cfg
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), *rope)
@@ -85,33 +94,42 @@ class DecoderLayer:
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         write_kv(layer_cache, meta, k, v)
         o = attention.forward(q, layer_cache, meta.plan, k, v)
-        x = x + F.linear(o.flatten(1), self.o_weight)
+        x = x + linear(o.flatten(1), self.o_weight)
         h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_weight)
 
 
 class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, quantization: Quantization = "none", quantize_lm_head: bool = False,
     ) -> None:  # fmt: skip
         """weights: Hugging Face names -> tensors already in dtype on device (engine.loader);
-        the dict is consumed."""
+        the dict is consumed. quantization int8: the layers' linear weights (and the lm_head
+        where quantize_lm_head is on) to int8; the embedding table stays in dtype."""
         self.cfg = cfg
         w = weights
         self.embed = w.pop("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+        self.lm_head: torch.Tensor | Int8Weight = (
+            self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+        )
         w.pop("lm_head.weight", None)  # a tied checkpoint may still carry its copy
         self.final_norm = w.pop("model.norm.weight")
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg, dtype, device)
+        if quantization == "int8":
+            for layer in self.layers:
+                layer.quantize_int8()
+            if quantize_lm_head:
+                self.lm_head = quantize_int8(self.lm_head)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight and table the forward pass reads (to check where they live)."""
         layers = [t for layer in self.layers for t in layer.tensors()]
         rope = [self.rope.cos, self.rope.sin]
-        return [self.embed, self.lm_head, self.final_norm, *layers, *rope]
+        head = weight_tensors(self.lm_head)
+        return [self.embed, *head, self.final_norm, *layers, *rope]
 
     @torch.inference_mode()
     def forward_hidden(
@@ -131,4 +149,4 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         h = rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()

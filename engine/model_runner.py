@@ -75,7 +75,9 @@ class ModelRunner:
         if weights is None:
             assert model_dir is not None, "a model directory or the weights"
             weights = load_weights(model_dir, self.dtype, self.device)
-        self.model = LlamaModel(model_config, weights, self.dtype, self.device)
+        self.model = LlamaModel(
+            model_config, weights, self.dtype, self.device, quantization=config.quantization
+        )
         mc = model_config
         # One block past the pool: the scratch block, where padded decode rows of a CUDA graph
         # read and write. The pool, the engine and the KV transfer only see kv_cache.
@@ -113,9 +115,12 @@ class ModelRunner:
         return graphs
 
     def _publish_placement(self) -> None:
-        weights = {(str(t.device), _dtype_name(t)) for t in self.model.tensors()}
-        assert len(weights) == 1, f"weights are spread over {sorted(weights)}"
-        ((weight_device, weight_dtype),) = weights
+        devices = {str(t.device) for t in self.model.tensors()}
+        assert len(devices) == 1, f"weights are spread over {sorted(devices)}"
+        (weight_device,) = devices
+        # int8 weights come with scales in another dtype: the label names the scheme.
+        int8 = self.config.quantization == "int8"
+        weight_dtype = "int8" if int8 else _dtype_name(self.model.embed)
         kv_dtype = _dtype_name(self.kv_cache)
         ENGINE_TENSORS.labels(weight_device, weight_dtype, "weights").set(1)
         ENGINE_TENSORS.labels(str(self.kv_cache.device), kv_dtype, "kv_cache").set(1)

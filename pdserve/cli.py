@@ -79,6 +79,13 @@ Attention = Annotated[
     str,
     typer.Option(envvar="PDSERVE_ATTENTION_BACKEND", help="auto | flashinfer | flash_attn | sdpa."),
 ]
+Quantization = Annotated[
+    str,
+    typer.Option(
+        envvar="PDSERVE_QUANTIZATION",
+        help="none | int8 (weight-only int8 linear layers; docs/engine.md).",
+    ),
+]
 TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
 TlsKey = Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE", help="PEM private key.")]
 TlsCa = Annotated[
@@ -90,7 +97,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
                      metrics_port, worker_id, kv_backend, chunk_size, num_blocks, drain_grace_s,
                      registry_ttl_s, warmup, tls_cert_file, tls_key_file, tls_ca_file,
                      max_concurrent_rpcs, max_num_seqs, device, cuda_graphs,
-                     attention_backend):  # fmt: skip
+                     attention_backend, quantization="none"):  # fmt: skip
     from engine import EngineConfig
     from pdserve.tls import TLSFiles
     from pdserve.worker_runtime import WorkerSettings
@@ -113,6 +120,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
             model=model, dtype=dtype, chunk_size=chunk_size, num_blocks=num_blocks,
             num_threads=threads or None, max_num_seqs=max_num_seqs, device=device,
             cuda_graphs=cuda_graphs, attention_backend=attention_backend,
+            quantization=quantization,
         ),
     )  # fmt: skip
 
@@ -142,6 +150,7 @@ def prefill(
     device: Device = "auto",
     cuda_graphs: CudaGraphs = True,
     attention_backend: Attention = "auto",
+    quantization: Quantization = "none",
     log_level: LogLevel = "info",
 ) -> None:
     """Run a prefill worker."""
@@ -156,7 +165,7 @@ def prefill(
         drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
-        cuda_graphs=cuda_graphs, attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
     )  # fmt: skip
     raise typer.Exit(start(settings).serve_forever())
 
@@ -186,6 +195,7 @@ def decode(
     device: Device = "auto",
     cuda_graphs: CudaGraphs = True,
     attention_backend: Attention = "auto",
+    quantization: Quantization = "none",
     prefill_timeout_s: Annotated[float, typer.Option(envvar="PDSERVE_PREFILL_TIMEOUT_S")] = 60.0,
     local_prefill_fallback: Annotated[
         bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
@@ -216,7 +226,7 @@ def decode(
         drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
-        cuda_graphs=cuda_graphs, attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
     )  # fmt: skip
     raise typer.Exit(start(settings, decode_settings).serve_forever())
 
