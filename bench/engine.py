@@ -10,7 +10,11 @@ Prints tables, then one JSON line (the last line of stdout):
  "prefill_tokens_per_s": {"engine": {dtype: {n: x}}, "hf": {...}},
  "decode_tokens_per_s": {"engine": {dtype: {batch: x}}, "hf": {...}},
  "roof_gflops": {dtype: x}, "prefill_gflops": {...}, "prefill_fraction_of_roof": {...},
- "targets": {name: {"value": x, "target": y, "met": bool}}, "setup": {...}}
+ "targets": {name: {"value": x, "target": y, "met": bool}}, "setup": {...},
+ "decode_int8_vs_hf_fp32": {"1": r, "32": r}, "decode_int8_tokens_per_s": {...},
+ "kv_bytes_per_token": {"float32": n, "bfloat16": n, "int8": n}, "read_bandwidth_gb_s": x,
+ "decode_b1_fraction_of_bandwidth_bound": {"float32": {...}, "int8": {...}}}
+--decode-only skips prefill; --no-int8 skips the int8-weight points.
 
 How each number is made. Both systems run in the same process, one after the other, alternating
 which goes first, so that load from other processes hits them alike; each number is the best
@@ -83,6 +87,13 @@ TARGET_BF16_PREFILL_ROOF_FRACTION = 0.70
 TARGET_FP32_PREFILL_SPEEDUP = 1.0
 TARGET_DECODE_B32_SPEEDUP = 3.0
 LONG_PROMPTS = (512, 1024, 2048)
+# Issue 12's decode targets: fp32 at batch 1 vs HF, int8 weights at batch 1 vs HF fp32.
+TARGET_FP32_DECODE_B1_SPEEDUP = 2.0
+TARGET_INT8_DECODE_B1_SPEEDUP = 4.0
+INT8_DECODE_BATCHES = (1, 32)
+BANDWIDTH_BYTES = 512 * 2**20  # well past the last-level cache: every read comes from DRAM
+BANDWIDTH_REPEATS = 5
+KV_SCALE_BYTES = 4  # an int8 KV cache: one float32 scale per token, layer, K/V and KV head
 
 _request_ids = itertools.count()
 # Wraps the timed part of a measurement: nullcontext, or a profiler.
@@ -96,8 +107,11 @@ class FlopModel:
     num_layers: int
     layer_matmul_params: int  # q, k, v, o, gate, up, down of one layer
     lm_head_params: int
+    layer_matmul_rows: int  # output channels of one layer's matmuls (one int8 scale each)
     attention_width: int  # num_heads * head_dim
     vocab_size: int
+    kv_elements_per_token: int  # layers * (K and V) * kv heads * head_dim
+    kv_heads_per_token: int  # layers * (K and V) * kv heads: one scale each in an int8 cache
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> FlopModel:
@@ -110,9 +124,27 @@ class FlopModel:
             num_layers=c["num_hidden_layers"],
             layer_matmul_params=attn + 3 * hidden * c["intermediate_size"],
             lm_head_params=c["vocab_size"] * hidden,
+            layer_matmul_rows=q_width + 2 * kv_width + 2 * hidden + 2 * c["intermediate_size"],
             attention_width=q_width,
             vocab_size=c["vocab_size"],
+            kv_elements_per_token=c["num_hidden_layers"] * 2 * kv_width,
+            kv_heads_per_token=c["num_hidden_layers"] * 2 * (kv_width // head_dim),
         )
+
+    def kv_bytes_per_token(self) -> dict[str, int]:
+        """What one token's KV takes in the cache (and on the wire) per cache dtype; int8
+        counts its scales (computed from the layout: the int8 cache itself is not built)."""
+        n = self.kv_elements_per_token
+        int8 = n + self.kv_heads_per_token * KV_SCALE_BYTES
+        return {"float32": 4 * n, "bfloat16": 2 * n, "int8": int8}
+
+    def decode_weight_bytes(self, quantization: str) -> int:
+        """Weight bytes one decode step reads: every layer's matmuls and the lm_head (fp32,
+        or int8 layers with one bf16 scale per output row and the lm_head in fp32)."""
+        layers = self.num_layers * self.layer_matmul_params
+        if quantization == "int8":
+            return layers + 2 * self.num_layers * self.layer_matmul_rows + 4 * self.lm_head_params
+        return 4 * (layers + self.lm_head_params)
 
     def gflop_per_token(self) -> float:
         """Matmul cost of one token with its own logits (attention excluded)."""
@@ -158,7 +190,28 @@ def measure_roof(dtype: torch.dtype, repeats: int) -> float:
     return 2 * ROOF_SIZE**3 / seconds / 1e9
 
 
+def measure_read_bandwidth() -> float:
+    """GB/s of summing a tensor far larger than the caches (best of the repeats): the bound
+    a decode step that reads its weights once is held to."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    data.sum()
+    seconds = min(timed(data.sum) for _ in range(BANDWIDTH_REPEATS))
+    return BANDWIDTH_BYTES / seconds / 1e9
+
+
 # ---- the two systems ------------------------------------------------------------------------
+
+
+def make_llm(dtype: str, threads: int, num_blocks: int, quantization: str = "none") -> LLM:
+    return LLM(
+        model=MODEL,
+        dtype=dtype,
+        chunk_size=max(PREFILL_SIZES),
+        num_blocks=num_blocks,
+        num_threads=threads,
+        enable_prefix_caching=False,
+        quantization=quantization,
+    )
 
 
 class Systems:
@@ -167,14 +220,7 @@ class Systems:
     def __init__(self, dtype: str, threads: int, num_blocks: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.llm = LLM(
-            model=MODEL,
-            dtype=dtype,
-            chunk_size=max(PREFILL_SIZES),
-            num_blocks=num_blocks,
-            num_threads=threads,
-            enable_prefix_caching=False,
-        )
+        self.llm = make_llm(dtype, threads, num_blocks)
         torch_dtype = getattr(torch, dtype)
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch_dtype)
         self.hf.eval()
@@ -320,6 +366,52 @@ def bench_decode(
             flush=True,
         )
     return results
+
+
+def bench_int8_decode(
+    systems: Systems, args: argparse.Namespace, num_blocks: int, vocab: int
+) -> dict[int, tuple[float, float]]:
+    """Int8-weight engine decode vs HF fp32, interleaved like the other points."""
+    fp32_llm = systems.llm
+    systems.llm = make_llm("float32", args.threads, num_blocks, quantization="int8")
+    try:
+        systems.engine_decode_s(random_prompts(1, DECODE_PROMPT_TOKENS, vocab, seed=7), 3)
+        print("  int8 weights:", flush=True)
+        return bench_decode(
+            systems, list(INT8_DECODE_BATCHES), args.new_tokens, args.repeats, args.budget_s, vocab
+        )
+    finally:
+        systems.llm = fp32_llm
+
+
+def add_issue12_keys(
+    summary: dict, decode: dict, int8: dict, flops: FlopModel, bandwidth: float
+) -> None:
+    """Int8-weight decode vs HF fp32, KV bytes per token, and batch 1 against the bandwidth
+    bound (weight bytes per step / read bandwidth); "int8" is a quantization, not a dtype, so it
+    stays out of the per-dtype keys."""
+    summary["decode_int8_vs_hf_fp32"] = {str(b): round(e / h, 3) for b, (e, h) in int8.items()}
+    summary["decode_int8_tokens_per_s"] = {
+        str(b): {"engine_int8": round(e, 3), "hf_fp32": round(h, 3)} for b, (e, h) in int8.items()
+    }
+    summary["kv_bytes_per_token"] = flops.kv_bytes_per_token()
+    summary["read_bandwidth_gb_s"] = round(bandwidth, 2)
+    fraction = {}
+    for name, tps in (("float32", decode.get("float32", {}).get(1)), ("int8", int8.get(1))):
+        if tps is not None:
+            bound = bandwidth * 1e9 / flops.decode_weight_bytes("int8" if name == "int8" else "")
+            fraction[name] = {"tokens_per_s": round(tps[0], 2), "bound": round(bound, 1),
+                              "fraction": round(tps[0] / bound, 3)}  # fmt: skip
+    summary["decode_b1_fraction_of_bandwidth_bound"] = fraction
+    checks = summary["targets"]
+    fp32_b1 = summary["decode_speedup_vs_hf"].get("float32", {}).get("1")
+    for name, value, target in (
+        ("fp32_decode_b1_vs_hf", fp32_b1, TARGET_FP32_DECODE_B1_SPEEDUP),
+        ("int8_decode_b1_vs_hf_fp32", summary["decode_int8_vs_hf_fp32"].get("1"),
+         TARGET_INT8_DECODE_B1_SPEEDUP),
+    ):  # fmt: skip
+        if value is not None:
+            checks[name] = {"value": value, "target": target, "met": value >= target}
 
 
 # ---- reporting ------------------------------------------------------------------------------
@@ -503,6 +595,13 @@ def parse_args() -> argparse.Namespace:
         help="no further round of a point once its rounds took this long (a slow point gets one)",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-only", action="store_true", help="no prefill points")
+    parser.add_argument(
+        "--no-int8",
+        dest="int8",
+        action="store_false",
+        help=f"skip the int8-weight decode points (batches {INT8_DECODE_BATCHES}, with float32)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="profile the engine instead of benchmarking"
     )
@@ -517,11 +616,15 @@ def parse_args() -> argparse.Namespace:
     )
     args.new_tokens = args.new_tokens or (QUICK_NEW_TOKENS if quick else NEW_TOKENS)
     args.repeats = args.repeats or (QUICK_REPEATS if quick else REPEATS)
-    if max(args.prefill_sizes) > max(PREFILL_SIZES) or min(args.prefill_sizes) < 1:
+    if args.prefill_sizes and not 1 <= min(args.prefill_sizes) <= max(args.prefill_sizes) <= max(
+        PREFILL_SIZES
+    ):
         parser.error(f"prefill sizes must be in [1, {max(PREFILL_SIZES)}] (one chunk)")
     if max(args.decode_batches) * DECODE_PROMPT_TOKENS > max(PREFILL_SIZES):
         most = max(PREFILL_SIZES) // DECODE_PROMPT_TOKENS
         parser.error(f"decode batches must fit one step: at most {most}")
+    if args.decode_only:
+        args.prefill_sizes = []
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: the first token closes the prefill")
     return args
@@ -545,6 +648,8 @@ def main() -> None:
         flush=True,
     )
     roof, prefill, decode = {}, {}, {}
+    bandwidth = measure_read_bandwidth()  # sampled first and last, the best kept
+    print(f"read bandwidth {bandwidth:.1f} GB/s", flush=True)
     for dtype in args.dtypes:
         # The roof is sampled before and after this dtype's points and the best kept: one
         # sample can land on a burst of load from other processes.
@@ -552,7 +657,9 @@ def main() -> None:
         roof[dtype] = measure_roof(getattr(torch, dtype), roof_repeats)
         print(f"{dtype}: roof {roof[dtype]:.1f} GFLOP/s", flush=True)
         num_blocks = num_blocks_needed(
-            max(args.prefill_sizes), max(args.decode_batches), args.new_tokens
+            max(args.prefill_sizes, default=1),
+            max(*args.decode_batches, *INT8_DECODE_BATCHES),
+            args.new_tokens,
         )
         systems = Systems(dtype, args.threads, num_blocks)
         systems.warm_up(random_prompts(1, 128, vocab, seed=7)[0])
@@ -562,6 +669,8 @@ def main() -> None:
         decode[dtype] = bench_decode(
             systems, args.decode_batches, args.new_tokens, args.repeats, args.budget_s, vocab
         )
+        if dtype == "float32" and args.int8:
+            decode["int8"] = bench_int8_decode(systems, args, num_blocks, vocab)
         del systems
         gc.collect()
         roof[dtype] = max(roof[dtype], measure_roof(getattr(torch, dtype), roof_repeats))
@@ -580,7 +689,10 @@ def main() -> None:
         # shared the cores and every number is noisier (the ratios less so).
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+    bandwidth = max(bandwidth, measure_read_bandwidth())
+    int8 = decode.pop("int8", {})
     summary = summarize(roof, prefill, decode, flops, setup)
+    add_issue12_keys(summary, decode, int8, flops, bandwidth)
     print_tables(summary)
     summary["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     print(f"({summary['setup']['seconds']} s, load average {summary['setup']['load_average']})")
