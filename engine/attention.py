@@ -97,6 +97,14 @@ class BackendUnusableError(RuntimeError):
     """A backend cannot serve this spec here (missing package, dtype, page size, failed check)."""
 
 
+def require_cuda_half(spec: AttentionSpec) -> None:
+    """What every paged CUDA kernel library here needs: a CUDA device and bf16/fp16."""
+    if spec.device.type != "cuda":
+        raise BackendUnusableError(f"needs a CUDA device, not {spec.device}")
+    if spec.dtype not in (torch.bfloat16, torch.float16):
+        raise BackendUnusableError(f"kernels are bf16/fp16 only, dtype is {spec.dtype}")
+
+
 class AttentionBackend(ABC):
     """One call per layer covers the whole step; plan() does the per-step host work once."""
 

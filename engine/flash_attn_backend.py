@@ -18,6 +18,7 @@ from engine.attention import (
     BackendUnusableError,
     StepLayout,
     check_against_sdpa,
+    require_cuda_half,
     to_device,
 )
 
@@ -44,10 +45,7 @@ class FlashAttnBackend(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
-        if spec.device.type != "cuda":
-            raise BackendUnusableError(f"needs a CUDA device, not {spec.device}")
-        if spec.dtype not in (torch.bfloat16, torch.float16):
-            raise BackendUnusableError(f"kernels are bf16/fp16 only, dtype is {spec.dtype}")
+        require_cuda_half(spec)
         if spec.block_size % PAGE_MULTIPLE:
             raise BackendUnusableError(
                 f"paged kernels need block_size % {PAGE_MULTIPLE} == 0, block_size is "

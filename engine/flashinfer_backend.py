@@ -21,6 +21,7 @@ from engine.attention import (
     BackendUnusableError,
     StepLayout,
     check_against_sdpa,
+    require_cuda_half,
 )
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
-        if spec.device.type != "cuda":
-            raise BackendUnusableError(f"needs a CUDA device, not {spec.device}")
-        if spec.dtype not in (torch.bfloat16, torch.float16):
-            raise BackendUnusableError(f"kernels are bf16/fp16 only, dtype is {spec.dtype}")
+        require_cuda_half(spec)
         try:
             import flashinfer
         except ImportError as e:

@@ -119,3 +119,13 @@ def spanning_stop(pieces: list[str], num_tokens: int, from_token: int = 0) -> tu
         if text.find(stop) == start:
             return stop, start, first + num_tokens - 1
     raise AssertionError(f"no stop string spans {num_tokens} tokens of {pieces}")
+
+
+class Clock:
+    """A clock the test moves by hand (Admission and Ledger take one)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

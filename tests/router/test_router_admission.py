@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from router_harness import pool_of, ticket, worker
+from router_harness import Clock, pool_of, ticket, worker
 
 from router.admission import Admission, AdmissionQueue
 from router.errors import Overloaded, Unavailable
@@ -84,14 +84,6 @@ def test_tokens_ahead_counts_only_requests_served_earlier():
 
 
 # ---- the controller -------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def admission(*infos, clock=None, **settings) -> Admission:
     admission_settings = AdmissionSettings(**settings)
     policies = build_policies(RoutingSettings("watermark"), admission_settings)

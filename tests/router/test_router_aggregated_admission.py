@@ -6,21 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from router_harness import ticket, worker
+from router_harness import Clock, ticket, worker
 
 from router.admission import Admission
 from router.errors import Overloaded, Unavailable
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 from router.workers import WorkerPool
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def admission(*infos, clock=None, **settings) -> Admission:
