@@ -3,15 +3,11 @@ one decode worker with a thread each, the router), stopped with Ctrl-C at the en
 
 from __future__ import annotations
 
-import re
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
-from router_harness import InProcessRouter
+from router_harness import InProcessRouter, pdserve_up
 
 from pdserve.redis_server import free_port
 from router.settings import RouterSettings
@@ -27,25 +23,12 @@ class Cluster:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     http_port, grpc_port = free_port(), free_port()
-    command = [
-        sys.executable, "-m", "pdserve.cli", "up", "--http-port", str(http_port),
-        "--grpc-port", str(grpc_port), "--no-warmup", "--kv-backend", "tcp", "--cores", "2",
+    with pdserve_up(
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--no-warmup",
+        "--kv-backend", "tcp", "--cores", "2",
         "--log-dir", str(tmp_path_factory.mktemp("pdserve-up")),
-    ]  # fmt: skip
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    banner = []
-    for line in up.stdout:  # ends when `up` exits, so a failed start cannot hang here
-        banner.append(line)
-        if line.startswith("Ctrl-C stops everything"):
-            break
-    text = "".join(banner)
-    assert "pdserve is up" in text, text
-    redis_url = re.search(r"Redis\s+(\S+)", text).group(1)
-    yield Cluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
-    up.send_signal(signal.SIGINT)
-    rest, _ = up.communicate(timeout=90)
-    assert up.returncode == 0, rest
-    assert rest.strip().endswith("stopped."), rest
+    ) as (_, redis_url):  # fmt: skip
+        yield Cluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
 
 
 @pytest.fixture

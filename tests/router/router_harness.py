@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,3 +134,27 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@contextmanager
+def pdserve_up(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """`pdserve up ARGS` exactly as a user runs it, stopped with Ctrl-C at the end (which must
+    exit 0): yields its start-up banner and the Redis URL the banner names."""
+    command = [sys.executable, "-m", "pdserve.cli", "up", *args]
+    environment = None if env is None else os.environ | env
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment
+    )
+    banner = []
+    for line in process.stdout:  # ends when `up` exits, so a failed start cannot hang here
+        banner.append(line)
+        if line.startswith("Ctrl-C stops everything"):
+            break
+    text = "".join(banner)
+    match = re.search(r"Redis\s+(\S+)", text)
+    assert "pdserve is up" in text and match, text
+    yield text, match.group(1)
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, rest
+    assert rest.strip().endswith("stopped."), rest

@@ -5,18 +5,13 @@ whole to the aggregated worker and longer ones split across the P/D pools."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import httpx
 import pytest
-from router_harness import one_torch_thread
+from router_harness import one_torch_thread, pdserve_up
 
 from engine import SamplingParams
 from pdserve.redis_server import free_port
@@ -55,26 +50,14 @@ class Up:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     http_port, grpc_port = free_port(), free_port()
-    command = [
-        sys.executable, "-m", "pdserve.cli", "up", "--prefill", "0", "--decode", "0",
-        "--aggregated", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+    with pdserve_up(
+        "--prefill", "0", "--decode", "0", "--aggregated", "1",
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--no-warmup", "--kv-backend", "tcp", "--cores", "1",
-        "--log-dir", str(tmp_path_factory.mktemp("pdserve-up-aggregated")),
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=os.environ | UP_ENV)  # fmt: skip
-    banner = []
-    for line in process.stdout:
-        banner.append(line)
-        if line.startswith("Ctrl-C stops everything"):
-            break
-    text = "".join(banner)
-    assert "pdserve is up: 0 prefill + 0 decode + 1 aggregated worker(s)" in text, text
-    redis_url = re.search(r"Redis\s+(\S+)", text).group(1)
-    yield Up(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
-    process.send_signal(signal.SIGINT)
-    rest, _ = process.communicate(timeout=90)
-    assert process.returncode == 0, rest
+        "--log-dir", str(tmp_path_factory.mktemp("pdserve-up-aggregated")), env=UP_ENV,
+    ) as (banner, redis_url):  # fmt: skip
+        assert "pdserve is up: 0 prefill + 0 decode + 1 aggregated worker(s)" in banner, banner
+        yield Up(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
 
 
 @pytest.fixture(scope="module")
