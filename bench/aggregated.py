@@ -33,7 +33,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 import httpx  # noqa: E402
 
-from engine.loader import resolve_model  # noqa: E402
+from engine.model_files import resolve_model  # noqa: E402
 from engine.tokenizer import TextTokenizer  # noqa: E402
 from pdserve.launcher import ClusterSpec, LocalCluster, RouterEndpoint  # noqa: E402
 

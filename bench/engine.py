@@ -61,7 +61,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
+from engine.model_files import resolve_model  # noqa: E402
 
 MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16")

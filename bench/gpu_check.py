@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner, ScheduledRequest  # noqa: E402
 from engine.request import Request  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 H200_BF16_FLOPS = 790e12  # dense bf16 matmul measured on these machines (device docs)
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
@@ -158,7 +158,8 @@ class Model:
 
 
 def load_small_model(model_dir: str, smoke: bool) -> Model:
-    from engine.loader import load_weights, resolve_model
+    from engine.loader import load_weights
+    from engine.model_files import resolve_model
 
     path = Path(model_dir) if model_dir else None
     if path is None and not smoke:

@@ -53,7 +53,7 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from bench.serve import percentile, word_ids  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
+from engine.model_files import resolve_model  # noqa: E402
 from engine.tokenizer import TextTokenizer  # noqa: E402
 from pdserve.launcher import ClusterSpec, LocalCluster  # noqa: E402
 from pdserve.registry import Registry, WorkerInfo  # noqa: E402

@@ -24,7 +24,7 @@ import kvtransfer
 from decode_service import metrics
 from decode_service.quarantine import Quarantine
 from engine import InvalidRequestError, SamplingParams
-from engine.engine_loop import EngineDiedError
+from engine.errors import EngineDiedError
 from engine.request import Request, StepOutput
 from pdserve import wire
 from pdserve.tls import open_channel

@@ -16,19 +16,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.errors import EngineDiedError, EngineStoppedError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request import StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine loop is stopped (shutting down): retry elsewhere."""
-
-
-class EngineDiedError(EngineStoppedError):
-    """The engine thread died of an unexpected error: its state can no longer be trusted."""
 
 
 class RequestStream:

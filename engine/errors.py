@@ -41,3 +41,11 @@ class InsufficientKVError(EngineBusyError):
         super().__init__(f"prompt needs {num_needed} KV blocks, {num_free} free")
         self.num_needed = num_needed
         self.num_free = num_free
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is stopped (shutting down): retry elsewhere."""
+
+
+class EngineDiedError(EngineStoppedError):
+    """The engine thread died of an unexpected error: its state can no longer be trusted."""

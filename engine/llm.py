@@ -8,7 +8,7 @@ from dataclasses import fields
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

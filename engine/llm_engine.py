@@ -18,10 +18,11 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader import resolve_model
+from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, ScheduledRequest
 from engine.request import FinishReason, Request, StepOutput
-from engine.sampling import SamplingParams, make_generator
+from engine.sampling import make_generator
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stop import OutputText, StopReason
 from engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # torch only for a type: StepOutput crosses into the torch-free router
+    import torch
 
 RequestStatus = Literal["waiting", "running", "awaiting_kv", "finished"]
 FinishReason = Literal["stop", "length", "abort"]

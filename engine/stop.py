@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
 
 StopReason = str | int | None  # vLLM's: the stop string, the stop token id, None for EOS

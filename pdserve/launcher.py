@@ -159,7 +159,7 @@ class LocalCluster:
         """Starts everything and waits until all of it serves; on any failure stops what
         started and raises. A child that dies before the cluster is up is a configuration
         error (a port in use, a bad flag): start-up fails with its log instead of retrying."""
-        from engine.loader import resolve_model
+        from engine.model_files import resolve_model
 
         spec = self.spec
         try:

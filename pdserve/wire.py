@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import grpc
 
 from engine import EngineBusyError, InvalidRequestError, SamplingParams
-from engine.engine_loop import EngineDiedError, EngineStoppedError
+from engine.errors import EngineDiedError, EngineStoppedError
 from engine.request import StepOutput
 from engine.stop import StopReason
 from pdserve.v1 import generation_pb2 as pb

@@ -19,7 +19,8 @@ from prometheus_client import Gauge, Histogram, start_http_server
 
 import kvtransfer
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.engine_loop import EngineDiedError, EngineLoop
+from engine.engine_loop import EngineLoop
+from engine.errors import EngineDiedError
 from pdserve.lengths import LengthBuckets
 from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
 from pdserve.tls import TLSFiles, server_credentials

@@ -12,7 +12,7 @@ import grpc
 
 import kvtransfer
 from engine import InvalidRequestError
-from engine.engine_loop import EngineStoppedError
+from engine.errors import EngineStoppedError
 from engine.request import Request
 from pdserve import wire
 from pdserve.wire import CallerGoneError

