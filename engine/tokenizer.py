@@ -98,9 +98,11 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens: the BOS the model's config asks for (a chat template writes
+        its own)."""
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None:
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 

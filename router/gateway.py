@@ -79,12 +79,14 @@ class Gateway:
         except ChatTemplateError as e:
             raise InvalidRequest(str(e), param="messages") from e
 
-    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+    async def tokenize(
+        self, text: str, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # lone surrogates from JSON escapes
             raise InvalidRequest(f"{param} is not valid Unicode: {e.reason}", param=param) from e
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def job(
         self, prompt_token_ids: list[int], make_params: Callable[[int], SamplingParams],

@@ -3,6 +3,7 @@ responses in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 from typing import Any
@@ -20,10 +21,13 @@ from router.errors import NotFound, Overloaded, RouterError, status_of
 from router.gateway import Gateway, Job
 from router.http_api.body_limit import BodyLimit
 from router.http_api.openai_format import Kind, Responder, error_body, error_json
+from router.http_api.request_id import RequestId, check_request_id
 from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
 from router.http_api.streaming import ClientGone, collect, sse_events, until_disconnect
 from router.ledger import Share
 from router.workers import WorkerView
+
+log = logging.getLogger(__name__)
 
 
 def error_response(error: RouterError) -> JSONResponse:
@@ -36,6 +40,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     settings = gateway.settings
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=error_response)
+    app.add_middleware(RequestId, reject=error_response)  # outermost: errors carry it too
 
     @app.exception_handler(RouterError)
     async def on_router_error(request: Request, error: RouterError) -> Response:
@@ -92,20 +97,29 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def completions(request: Request) -> Response:
         received_s = time.monotonic()
         body = parse_body(await request.body(), CompletionBody)
-        _check(body, settings.model)
+        _check(request, body, settings.model)
         prompt = body.single_prompt()
-        ids = await gateway.tokenize(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            add_special = body.add_special_tokens is not False  # vLLM's default: True
+            ids = await gateway.tokenize(prompt, add_special_tokens=add_special)
+        else:
+            ids = prompt
         fields = body.sampling_fields()
-        job = gateway.job(ids, lambda room: SamplingParams(**fields), received_s)
-        return await _respond(request, gateway, job, body, "completion")
+        job = gateway.job(body.truncate(ids), lambda room: SamplingParams(**fields), received_s)
+        echo = ""
+        if body.echo:  # the prompt as the model saw it
+            echo = gateway.tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)
+        return await _respond(request, gateway, job, body, "completion", echo)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         received_s = time.monotonic()
         body = parse_body(await request.body(), ChatBody)
-        _check(body, settings.model)
+        _check(request, body, settings.model)
         text = await gateway.render_chat(body.template_messages())
-        ids = await gateway.tokenize(text, "messages")
+        # vLLM's default for chat: False, the template writes its own special tokens.
+        ids = await gateway.tokenize(text, "messages", body.add_special_tokens is True)
+        ids = body.truncate(ids)
         fields = body.sampling_fields()
 
         def params(room: int) -> SamplingParams:
@@ -118,21 +132,27 @@ def create_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-def _check(body: GenerationBody, model: str) -> None:
+def _check(request: Request, body: GenerationBody, model: str) -> None:
     if body.model is not None and body.model != model:
         raise NotFound(f"model {body.model!r} does not exist; this server serves {model!r}",
                        param="model", code="model_not_found")  # fmt: skip
-    body.check_supported()
+    if body.request_id is not None and not request.state.request_id_given:
+        request.state.request_id = check_request_id(body.request_id, "request_id")
 
 
 async def _respond(
-    request: Request, gateway: Gateway, job: Job, body: GenerationBody, kind: Kind
-) -> Response:
+    request: Request, gateway: Gateway, job: Job, body: GenerationBody, kind: Kind,
+    echo: str = "",
+) -> Response:  # fmt: skip
+    """echo: text the client gets in front of the completion's own."""
+    client_id = request.state.request_id
+    log.info("%s %s is request %s %s", request.url.path, client_id, job.ticket.request_id,
+             body.who() or "")  # fmt: skip
     run = await until_disconnect(request, gateway.open(job))
-    responder = Responder(kind, job.ticket.request_id, gateway.settings.model)
+    responder = Responder(kind, client_id, gateway.settings.model)
     if body.stream:  # from here on the status is 200; a later error goes in-band
         metrics.REQUESTS.labels(request.url.path, "200").inc()
-        events = sse_events(run, responder, body.include_usage)
+        events = sse_events(run, responder, body.include_usage, body.continuous_usage, echo)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
@@ -140,7 +160,7 @@ async def _respond(
     finally:
         run.close()
     metrics.REQUESTS.labels(request.url.path, "200").inc()
-    return JSONResponse(responder.response(text, finish_reason, stop_reason, usage))
+    return JSONResponse(responder.response(echo + text, finish_reason, stop_reason, usage))
 
 
 def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:

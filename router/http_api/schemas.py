@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from router.errors import InvalidRequest
+from router.http_api import refused as refused_fields
+from router.http_api.refused import Refused
 
 UInt32 = Annotated[int, Field(ge=0, lt=1 << 32)]  # token ids travel as proto uint32
 Finite = Annotated[float, Field(allow_inf_nan=False)]  # JSON's 1e400 parses as inf
@@ -17,14 +19,17 @@ M = TypeVar("M", bound=BaseModel)
 class _Body(BaseModel):
     # Clients send vendor extension fields freely: unknown fields are ignored, not errors.
     model_config = ConfigDict(extra="ignore")
+    # Documented fields this server does not honour: a 400 unless they ask for nothing.
+    refused: ClassVar[tuple[Refused, ...]] = ()
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class GenerationBody(_Body):
-    """The sampling fields both APIs share (OpenAI names, plus vLLM's common extensions)."""
+    """The fields both APIs share (OpenAI names, plus vLLM's common extensions)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -36,9 +41,15 @@ class GenerationBody(_Body):
     stop_token_ids: list[UInt32] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # keep the last k tokens
+    add_special_tokens: bool | None = None  # None: the endpoint's default (vLLM's)
+    request_id: str | None = None  # vLLM's; X-Request-Id wins, as in vLLM
+    # Who asks, for the log: OpenAI's end-user ids and request metadata.
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
 
     def sampling_fields(self) -> dict[str, Any]:
         """Only what the client set: the engine's defaults apply to the rest."""
@@ -64,29 +75,26 @@ class GenerationBody(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def check_supported(self) -> None:
-        """Known OpenAI options this server cannot honour are refused, never silently dropped."""
-        if self.n != 1:
-            raise InvalidRequest(f"n={self.n} is not supported: send n=1", param="n")
-        for name, value in self._unsupported().items():
-            if value:
-                raise InvalidRequest(f"{name} is not supported by this server", param=name)
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def _unsupported(self) -> dict[str, object]:
-        return {}
+    def who(self) -> dict[str, object]:
+        """The caller's own labels, for the request log."""
+        fields = {"user": self.user, "safety_identifier": self.safety_identifier,
+                  "metadata": self.metadata}  # fmt: skip
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def truncate(self, prompt_token_ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: only the last k tokens of the prompt are kept."""
+        k = self.truncate_prompt_tokens
+        return prompt_token_ids if k is None else prompt_token_ids[-k:]
 
 
 class CompletionBody(GenerationBody):
+    refused = refused_fields.COMPLETION
     prompt: str | list[UInt32] | list[str] | list[list[UInt32]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def _unsupported(self) -> dict[str, object]:
-        best_of = self.best_of is not None and self.best_of != 1
-        return {"echo": self.echo, "logprobs": self.logprobs is not None, "best_of": best_of,
-                "suffix": self.suffix}  # fmt: skip
+    echo: bool = False  # the prompt comes back in front of the completion
 
     def single_prompt(self) -> str | list[int]:
         """One text or one token-id list (a batch of prompts would need n > 1 outputs)."""
@@ -119,12 +127,8 @@ class ChatMessage(_Body):
 
 class ChatBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    refused = refused_fields.CHAT
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    def _unsupported(self) -> dict[str, object]:
-        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None}
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = GenerationBody.sampling_fields(self)
@@ -148,6 +152,7 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
+        refused_fields.refuse(data, model.refused)
         return model.model_validate(data)
     except ValidationError as e:
         error = e.errors()[0]

@@ -15,7 +15,7 @@ from pdserve import wire
 from pdserve.v1 import generation_pb2 as pb
 from router.errors import RouterError, status_of
 from router.gateway import Run
-from router.http_api.openai_format import SSE_DONE, Responder, error_json, sse
+from router.http_api.openai_format import SSE_DONE, Responder, error_json, sse, usage_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,19 +47,28 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def sse_events(run: Run, responder: Responder, include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_events(
+    run: Run, responder: Responder, include_usage: bool, continuous_usage: bool = False,
+    echo: str = "",
+) -> AsyncIterator[bytes]:  # fmt: skip
     """One event per message with text or a finish reason; the run is closed however the
-    stream ends (Starlette cancels it when the client disconnects)."""
+    stream ends (Starlette cancels it when the client disconnects). echo: text sent before
+    the completion's own; continuous_usage: vLLM's usage so far in every chunk."""
     try:
         if responder.kind == "chat":
             yield sse(responder.chunk("", None, first=True))
+        if echo:
+            yield sse(responder.chunk(echo, None))
         usage = pb.Usage()
         async for message in run.messages():
-            if message.text or message.finish_reason:
-                stop_reason = wire.stop_reason_of(message)
-                yield sse(responder.chunk(message.text, message.finish_reason or None, stop_reason))
             if message.HasField("usage"):
                 usage = message.usage
+            if message.text or message.finish_reason:
+                stop_reason = wire.stop_reason_of(message)
+                chunk = responder.chunk(message.text, message.finish_reason or None, stop_reason)
+                if continuous_usage:
+                    chunk["usage"] = usage_json(_usage_so_far(run, message))
+                yield sse(chunk)
         if include_usage:
             yield sse(responder.usage_chunk(usage))
         yield SSE_DONE
@@ -68,6 +77,13 @@ async def sse_events(run: Run, responder: Responder, include_usage: bool) -> Asy
         yield sse(error_json(e, status_of(e)))
     finally:
         run.close()
+
+
+def _usage_so_far(run: Run, message: pb.GenerateResponse) -> pb.Usage:
+    if message.HasField("usage"):  # the last message's: with the cached prompt tokens
+        return message.usage
+    num_prompt = run.job.ticket.num_prompt_tokens
+    return pb.Usage(prompt_tokens=num_prompt, completion_tokens=len(run.output_token_ids))
 
 
 async def collect(run: Run) -> tuple[str, str, StopReason, pb.Usage]:
