@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-
-import numpy as np
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -15,11 +12,9 @@ class NoFreeBlocksError(RuntimeError):
         super().__init__(f"asked for {num_requested} KV blocks, only {num_free} free")
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Hash chain over full blocks: a block's hash covers every token before it too."""
-    digest = hashlib.blake2b(parent_hash or b"", digest_size=16)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return digest.digest()
+# A prefix-cache change: (True, hash) when a block is cached under the hash, (False, hash) when
+# it is evicted. Workers publish these so routers know what each worker's cache holds.
+CacheEvent = tuple[bool, bytes]
 
 
 @dataclass(slots=True)
@@ -47,6 +42,9 @@ class BlockPool:
         # In use, but by no request: a remote writer may still be writing into them (its fence
         # timed out), so they must not be handed out until it is known done or dead.
         self.quarantined: set[int] = set()
+        # Off unless someone takes the events (take_cache_events), or they would pile up.
+        self.record_events = False
+        self._events: list[CacheEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,8 +67,7 @@ class BlockPool:
             block_id, _ = queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evicting a cached block
-                del self.hash_to_block[block.block_hash]
-                block.block_hash = None
+                self._forget(block)
             block.ref_cnt = 1
             block_ids.append(block_id)
         return block_ids
@@ -118,17 +115,29 @@ class BlockPool:
         if block_hash not in self.hash_to_block:
             self.hash_to_block[block_hash] = block_id
             block.block_hash = block_hash
+            if self.record_events:
+                self._events.append((True, block_hash))
 
     def reset_cache(self) -> int:
         """Forgets every cached-free block (e.g. after new weights); returns how many."""
         num_evicted = len(self.cached_free)
         for block_id in list(self.cached_free):
-            block = self.blocks[block_id]
-            del self.hash_to_block[block.block_hash]
-            block.block_hash = None
+            self._forget(self.blocks[block_id])
             del self.cached_free[block_id]
             self.empty[block_id] = None
         return num_evicted
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def _forget(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self.hash_to_block[block.block_hash]
+        if self.record_events:
+            self._events.append((False, block.block_hash))
+        block.block_hash = None
 
     def check_integrity(self) -> None:
         """Raises with the numbers when the pool's bookkeeping disagrees with itself."""

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.block_pool import CacheEvent
 from engine.errors import EngineDiedError, EngineStoppedError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request import StepOutput
@@ -60,10 +61,15 @@ class EngineLoop:
     def __init__(
         self, engine: LLMEngine, on_step: Callable[[float, int], None] | None = None,
         on_death: Callable[[EngineDiedError], None] | None = None,
+        on_cache_events: Callable[[list[CacheEvent]], None] | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
         self.on_step = on_step  # (step seconds, batch size) for the worker's metrics
         self.on_death = on_death
+        # The prefix-cache changes of each loop turn (commands and a step), in one batch; it
+        # must not block (the worker hands them to its publisher thread).
+        self.on_cache_events = on_cache_events
+        engine.pool.record_events = on_cache_events is not None
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = (
             queue.SimpleQueue()
         )
@@ -140,6 +146,7 @@ class EngineLoop:
                         self.engine.pool.check_integrity()
                         was_busy = False
                     self.stats = self.engine.stats()
+                self._hand_over_cache_events()
         except BaseException as e:  # anything escaping here leaves the engine unsound
             log.exception("engine thread died")
             died = EngineDiedError(f"the engine thread died: {type(e).__name__}: {e}")
@@ -168,6 +175,10 @@ class EngineLoop:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 item = None
+
+    def _hand_over_cache_events(self) -> None:
+        if self.on_cache_events is not None and (events := self.engine.pool.take_cache_events()):
+            self.on_cache_events(events)
 
     def _end(self, error: EngineStoppedError) -> None:
         self._ended = error

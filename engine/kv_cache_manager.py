@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, hash_block
+from engine.block_pool import BlockPool
 from engine.request import Request
+from pdserve.prefix_hash import extend_block_hashes
 
 
 @dataclass(slots=True)
@@ -73,8 +74,4 @@ class KVCacheManager:
         request.block_ids = []
 
     def _hash_full_blocks(self, request: Request) -> None:
-        bs = self.block_size
-        for i in range(len(request.block_hashes), request.num_tokens // bs):
-            parent = request.block_hashes[i - 1] if i else None
-            block_tokens = request.token_ids[i * bs : (i + 1) * bs]
-            request.block_hashes.append(hash_block(parent, block_tokens))
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)

@@ -21,6 +21,7 @@ import kvtransfer
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineDiedError
+from pdserve.kv_events import CacheEventPublisher
 from pdserve.lengths import LengthBuckets
 from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
 from pdserve.tls import TLSFiles, server_credentials
@@ -82,14 +83,18 @@ class WorkerRuntime:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.engine = LLMEngine(settings.engine)
-        self.loop = EngineLoop(self.engine, on_step=self._observe_step, on_death=self._on_death)
+        self.registry = Registry(settings.redis_url)
+        self.cache_events = CacheEventPublisher(self.registry.redis, settings.worker_id)
+        self.loop = EngineLoop(
+            self.engine, on_step=self._observe_step, on_death=self._on_death,
+            on_cache_events=self.cache_events.submit,
+        )  # fmt: skip
         layout = kvtransfer.KVLayout.of(settings.engine.model, self.engine.kv_cache)
         bind_host = settings.host if settings.host not in ("0.0.0.0", "::") else None
         self.kv_agent = kvtransfer.create_agent(
             settings.kv_backend, settings.worker_id, self.engine.kv_cache, layout,
             host=bind_host or settings.advertise_host or "127.0.0.1",
         )  # fmt: skip
-        self.registry = Registry(settings.redis_url)
         self.health = health.HealthServicer()
         num_threads = settings.max_concurrent_rpcs + _SPARE_RPC_THREADS
         self.server = grpc.server(
@@ -132,6 +137,7 @@ class WorkerRuntime:
         metrics_server, _ = start_http_server(self.settings.metrics_port, self.settings.host)
         self.metrics_port = metrics_server.server_port
         self.server.start()
+        self.cache_events.start()
         self.loop.start()
         if self.settings.warmup:
             self.loop.call(self._warm_up)
@@ -255,6 +261,7 @@ class WorkerRuntime:
                 self._heartbeat.stop()
             except Exception as e:  # Redis gone at shutdown: the TTL cleans up
                 log.warning("could not remove registry entry: %s", e)
+        self.cache_events.stop()
 
     def _on_death(self, error: BaseException) -> None:
         """Engine thread, as it dies: say so at once, everywhere, then let serve_forever exit.

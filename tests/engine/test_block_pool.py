@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocksError, hash_block
+from engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.prefix_hash import extend_block_hashes, hash_block, prompt_block_hashes
 
 
 def cached_pool(num_blocks: int, cached_ids: list[int]) -> BlockPool:
@@ -100,3 +101,34 @@ def test_integrity_check_catches_a_quarantined_block_that_is_free():
     pool.free([0])  # a bug: freed while quarantined
     with pytest.raises(AssertionError, match="1 quarantined blocks are free"):
         pool.check_integrity()
+
+
+def test_cache_changes_are_recorded_only_when_asked_in_order():
+    pool = cached_pool(3, [0, 1])
+    assert pool.take_cache_events() == []  # off by default: nothing piles up
+    pool.record_events = True
+    [block_id] = pool.allocate(1)  # the empty block: no eviction
+    pool.cache(block_id, hash_block(None, [9]))
+    pool.cache(block_id, hash_block(None, [9]))  # already cached: no second event
+    pool.allocate(1)  # evicts block 0, least recently freed
+    pool.free([block_id])
+    assert pool.reset_cache() == 2
+    assert pool.take_cache_events() == [
+        (True, hash_block(None, [9])),
+        (False, hash_block(None, [0])),
+        (False, hash_block(None, [1])),
+        (False, hash_block(None, [9])),
+    ]
+    assert pool.take_cache_events() == []
+
+
+def test_block_hashes_extend_the_chain_block_by_block():
+    tokens = list(range(40))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens[:20], 16)
+    assert hashes == [hash_block(None, tokens[:16])]
+    extend_block_hashes(hashes, tokens, 16)
+    assert hashes == [hash_block(None, tokens[:16]), hash_block(hashes[0], tokens[16:32])]
+    # The router hashes only blocks a cache can serve: never the one holding the last token.
+    assert prompt_block_hashes(tokens[:32], 16) == (hashes[0],)
+    assert prompt_block_hashes(tokens[:33], 16) == tuple(hashes)

@@ -1,0 +1,181 @@
+"""Prefix-cache events in Redis: each worker publishes which block hashes its prefix cache
+gained and lost to a bounded stream of its own; routers read the streams to know what every
+worker has cached (router/prefix_index.py).
+
+An entry is a delta (hashes stored, hashes evicted, since the previous entry) or a snapshot
+(every hash cached now; it replaces what came before). A worker writes a snapshot first and
+then after every SNAPSHOT_EVERY deltas, so the last MAX_ENTRIES entries, all the stream keeps,
+always rebuild the whole cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import redis
+
+from pdserve.prefix_hash import HASH_BYTES
+
+log = logging.getLogger(__name__)
+
+STREAM_PREFIX = "pdserve:kv_events"
+MAX_ENTRIES = 1024  # XADD MAXLEN ~: Redis keeps at least this many, trimming whole nodes
+SNAPSHOT_EVERY = MAX_ENTRIES // 4
+# A stream outlives its worker by at most this long (a killed worker cannot delete it).
+STREAM_TTL_S = 120.0
+
+
+def stream_key(worker_id: str) -> str:
+    return f"{STREAM_PREFIX}:{worker_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUpdate:
+    """One stream entry, decoded."""
+
+    is_snapshot: bool
+    stored: tuple[bytes, ...]
+    evicted: tuple[bytes, ...] = ()
+
+    def fields(self) -> dict[str, bytes]:
+        return {
+            "kind": b"snapshot" if self.is_snapshot else b"delta",
+            "stored": b"".join(self.stored),
+            "evicted": b"".join(self.evicted),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> CacheUpdate:
+        return cls(
+            fields.get(b"kind") == b"snapshot",
+            _split(fields.get(b"stored", b"")),
+            _split(fields.get(b"evicted", b"")),
+        )
+
+    @property
+    def num_events(self) -> int:
+        return len(self.stored) + len(self.evicted)
+
+
+def _split(joined: bytes) -> tuple[bytes, ...]:
+    return tuple(joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES))
+
+
+@dataclass(slots=True)
+class CacheMirror:
+    """The worker's cache as events report it, and what the stream has been told: a delta
+    holds only the difference, so a hash stored and evicted between two entries costs
+    nothing, and a failed write is simply retried with the next one (the pending set is
+    bounded by the cache's own size)."""
+
+    cached: set[bytes] = field(default_factory=set)
+    published: set[bytes] = field(default_factory=set)
+    dirty: set[bytes] = field(default_factory=set)  # may differ between the two
+
+    def apply(self, events: Iterable[tuple[bool, bytes]]) -> None:
+        for stored, block_hash in events:
+            if stored:
+                self.cached.add(block_hash)
+            else:
+                self.cached.discard(block_hash)
+            self.dirty.add(block_hash)
+
+    def delta(self) -> CacheUpdate:
+        stored = tuple(h for h in self.dirty if h in self.cached and h not in self.published)
+        evicted = tuple(h for h in self.dirty if h in self.published and h not in self.cached)
+        return CacheUpdate(False, stored, evicted)
+
+    def snapshot(self) -> CacheUpdate:
+        return CacheUpdate(True, tuple(self.cached))
+
+    def mark_published(self, update: CacheUpdate) -> None:
+        if update.is_snapshot:
+            self.published = set(self.cached)
+        else:
+            self.published.difference_update(update.evicted)
+            self.published.update(update.stored)
+        self.dirty.clear()
+
+
+class CacheEventPublisher:
+    """A worker's publisher thread: the engine thread hands it each loop turn's events
+    (submit never blocks), and it writes at most one entry per wake-up to the worker's stream,
+    so Redis latency or an outage never reaches a step."""
+
+    def __init__(
+        self, client: redis.Redis, worker_id: str, idle_s: float = 2.0, batch_s: float = 0.05
+    ) -> None:
+        self.client = client
+        self.key = stream_key(worker_id)
+        self.idle_s = idle_s  # how often an idle worker refreshes its stream's TTL
+        self.batch_s = batch_s  # at most one entry per this long: a busy worker batches more
+        self.mirror = CacheMirror()
+        self.num_entries = 0  # written since the last snapshot
+        self._inbox: queue.SimpleQueue[list[tuple[bool, bytes]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    def start(self) -> CacheEventPublisher:
+        # A worker restarted under the same id starts with an empty cache: say so first.
+        snapshot = self.mirror.snapshot()
+        with self.client.pipeline() as pipe:
+            pipe.delete(self.key)
+            self._add(pipe, snapshot)
+            pipe.expire(self.key, int(STREAM_TTL_S))
+            pipe.execute()
+        self.mirror.mark_published(snapshot)
+        self._thread.start()
+        return self
+
+    def submit(self, events: list[tuple[bool, bytes]]) -> None:
+        self._inbox.put(events)
+
+    def stop(self) -> None:
+        """Stops publishing and deletes the stream (the worker is leaving)."""
+        if self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join(timeout=5)
+        try:
+            self.client.delete(self.key)
+        except redis.RedisError as e:  # the TTL cleans up
+            log.warning("could not delete %s: %s", self.key, e)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                batch = self._inbox.get(timeout=self.idle_s)
+            except queue.Empty:
+                batch = []
+            while batch is not None:
+                self.mirror.apply(batch)
+                try:
+                    batch = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            if batch is None:
+                return
+            try:
+                self._publish()
+            except redis.RedisError as e:  # the dirty hashes go out with the next entry
+                log.warning("publishing prefix-cache events failed: %s", e)
+            time.sleep(self.batch_s)
+
+    def _publish(self) -> None:
+        mirror = self.mirror
+        snapshot = self.num_entries >= SNAPSHOT_EVERY
+        update = mirror.snapshot() if snapshot else mirror.delta()
+        with self.client.pipeline(transaction=False) as pipe:
+            if snapshot or update.num_events:
+                self._add(pipe, update)
+            pipe.expire(self.key, int(STREAM_TTL_S))
+            pipe.execute()
+        if snapshot or update.num_events:
+            self.num_entries = 0 if snapshot else self.num_entries + 1
+        mirror.mark_published(update)
+
+    def _add(self, pipe: redis.client.Pipeline, update: CacheUpdate) -> None:
+        pipe.xadd(self.key, update.fields(), maxlen=MAX_ENTRIES, approximate=True)

@@ -1,0 +1,122 @@
+"""Prefix-cache events through a real Redis server: a worker's publisher thread writes its
+stream, a router's index follows it, rebuilds from it, and forgets a worker that left."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from pdserve import kv_events
+from pdserve.kv_events import CacheEventPublisher, CacheMirror, CacheUpdate, stream_key
+from pdserve.prefix_hash import hash_block
+from pdserve.redis_server import RedisServer
+from router.prefix_index import PrefixIndex, follow
+
+
+def h(i: int) -> bytes:
+    return hash_block(None, [i])
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def entries(client: redis.Redis, worker_id: str) -> list[CacheUpdate]:
+    return [CacheUpdate.from_fields(f) for _, f in client.xrange(stream_key(worker_id))]
+
+
+def test_a_delta_carries_only_what_changed_since_the_last_entry():
+    mirror = CacheMirror()
+    mirror.apply([(True, h(1)), (True, h(2)), (False, h(2)), (True, h(3))])
+    update = mirror.delta()
+    assert (sorted(update.stored), update.evicted) == (sorted([h(1), h(3)]), ())
+    mirror.mark_published(update)
+    mirror.apply([(False, h(1)), (True, h(1)), (False, h(3)), (True, h(4)), (False, h(4))])
+    assert mirror.delta() == CacheUpdate(False, (), (h(3),))
+
+
+def test_the_stream_starts_with_a_snapshot_and_batches_a_step_into_one_entry(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.xadd(stream_key("w-restarted"), CacheUpdate(True, (h(7),)).fields())
+    publisher = CacheEventPublisher(client, "w-restarted").start()
+    try:
+        # The previous incarnation's entries are gone: the cache starts empty.
+        assert entries(client, "w-restarted") == [CacheUpdate(True, ())]
+        publisher.submit([(True, h(1)), (True, h(2))])
+        publisher.submit([(False, h(2)), (True, h(3))])
+        wait_for(lambda: len(entries(client, "w-restarted")) == 2)
+        last = entries(client, "w-restarted")[-1]
+        assert (last.is_snapshot, sorted(last.stored), last.evicted) == (
+            False, sorted([h(1), h(3)]), (),
+        )  # fmt: skip
+        assert client.ttl(stream_key("w-restarted")) > 0
+    finally:
+        publisher.stop()
+    assert not client.exists(stream_key("w-restarted"))  # a leaving worker deletes its stream
+
+
+def test_a_snapshot_follows_every_snapshot_every_deltas(redis_url, monkeypatch):
+    monkeypatch.setattr(kv_events, "SNAPSHOT_EVERY", 3)
+    client = redis.Redis.from_url(redis_url)
+    publisher = CacheEventPublisher(client, "w-snap", batch_s=0.0).start()
+    try:
+        for i in range(4):
+            publisher.submit([(True, h(i))])
+            wait_for(lambda i=i: len(entries(client, "w-snap")) == i + 2)
+        kinds = [u.is_snapshot for u in entries(client, "w-snap")]
+        assert kinds == [True, False, False, False, True]
+        assert sorted(entries(client, "w-snap")[-1].stored) == sorted(h(i) for i in range(4))
+    finally:
+        publisher.stop()
+
+
+def test_the_index_follows_rebuilds_and_forgets_workers(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    publishers = {w: CacheEventPublisher(client, w).start() for w in ("p-0", "d-0")}
+    registered = {"p-0", "d-0"}
+
+    async def scenario() -> None:
+        index = PrefixIndex(16)
+        task = asyncio.create_task(follow(index, redis_url, lambda: registered, block_ms=50))
+
+        async def until(condition: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 30
+            while not condition():
+                assert time.monotonic() < deadline, "index did not follow"
+                await asyncio.sleep(0.05)
+
+        publishers["p-0"].submit([(True, h(1)), (True, h(2))])
+        publishers["d-0"].submit([(True, h(9))])
+        await until(lambda: index.cached_hashes("p-0") == {h(1), h(2)})
+        await until(lambda: index.cached_hashes("d-0") == {h(9)})
+        publishers["p-0"].submit([(False, h(1))])  # evicted blocks leave the index
+        await until(lambda: index.cached_hashes("p-0") == {h(2)})
+        # A router started now rebuilds the same index from the streams.
+        fresh = PrefixIndex(16)
+        fresh_task = asyncio.create_task(follow(fresh, redis_url, lambda: registered, 50))
+        await until(lambda: fresh.cached_hashes("p-0") == {h(2)})
+        await until(lambda: fresh.cached_hashes("d-0") == {h(9)})
+        registered.discard("d-0")  # it left the registry: its entries go
+        await until(lambda: index.cached_hashes("d-0") == frozenset())
+        for t in (task, fresh_task):
+            t.cancel()
+        await asyncio.gather(task, fresh_task, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for publisher in publishers.values():
+            publisher.stop()
