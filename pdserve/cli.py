@@ -307,6 +307,22 @@ def router(
     long_delay_s: Annotated[float, typer.Option(help="Aging delay.")] = _A.long_delay_s,
     watermark_a: float = _R.routing.watermark_a,
     watermark_b: float = _R.routing.watermark_b,
+    prefix_prefill_weight: Annotated[
+        float,
+        typer.Option(
+            envvar="PDSERVE_PREFIX_PREFILL_WEIGHT",
+            help="Watermark policy: weight of the prefill seconds a worker's prefix cache "
+            "saves (0 = load only).",
+        ),
+    ] = _R.routing.prefix_prefill_weight,
+    prefix_decode_weight: Annotated[
+        float,
+        typer.Option(
+            envvar="PDSERVE_PREFIX_DECODE_WEIGHT",
+            help="Watermark policy: weight of the prompt KV fraction a decode worker holds "
+            "(0 = load only).",
+        ),
+    ] = _R.routing.prefix_decode_weight,
     default_prefill_tokens_per_s: Annotated[
         float, typer.Option(help="For workers that have not measured yet.")
     ] = _A.default_prefill_tokens_per_s,
@@ -354,7 +370,9 @@ def router(
             queue_timeout_s=queue_timeout_s,
             default_prefill_tokens_per_s=default_prefill_tokens_per_s,
         ),
-        routing=RoutingSettings(routing_policy, watermark_a, watermark_b),
+        routing=RoutingSettings(
+            routing_policy, watermark_a, watermark_b, prefix_prefill_weight, prefix_decode_weight
+        ),
     )  # fmt: skip
     asyncio.run(serve(settings))
 

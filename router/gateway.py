@@ -16,6 +16,7 @@ import grpc
 from engine import InvalidRequestError, SamplingParams
 from engine.tokenizer import ChatTemplateError, TextTokenizer
 from pdserve import wire
+from pdserve.prefix_hash import prompt_block_hashes
 from pdserve.registry import ROLES
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
@@ -138,6 +139,7 @@ class Gateway:
             arrival_s=arrival_s,
             affinity_key=affinity_key(prompt_token_ids),
             excluded_decode_ids=excluded_decode_ids,
+            block_hashes=prompt_block_hashes(prompt_token_ids, admission.kv_block_size),
         )
 
     async def open(self, job: Job) -> Run:

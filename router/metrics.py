@@ -46,3 +46,14 @@ MIGRATIONS = Counter(
     "Requests moved to another decode worker after theirs was lost mid-request",
     ["decode_worker"],
 )
+PREFIX_OVERLAP = Histogram(
+    "pdserve_router_prefix_overlap_tokens",
+    "Prompt tokens the chosen worker's prefix cache already holds (prefill: not computed; "
+    "decode: KV not sent)", ["role"],
+    buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+)  # fmt: skip
+KV_EVENTS = Counter(
+    "pdserve_router_kv_events_total",
+    "Prefix-cache block events read from the workers' streams",
+    ["event"],
+)

@@ -1,5 +1,5 @@
-"""The router process: loads the tokenizer, follows the registry, and serves HTTP (uvicorn)
-and gRPC on one asyncio loop, so admission needs no locks."""
+"""The router process: loads the tokenizer, follows the registry and the workers' prefix-cache
+events, and serves HTTP (uvicorn) and gRPC on one asyncio loop, so admission needs no locks."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from router.admission import Admission
 from router.gateway import Gateway
 from router.grpc_api.server import PublicGrpcServer
 from router.http_api.app import create_app
+from router.prefix_index import PrefixIndex
+from router.prefix_index import follow as follow_prefixes
 from router.routing import build_policies
 from router.settings import RouterSettings
 from router.upstream import DecodeClient
@@ -33,8 +35,9 @@ class RouterServer:
         self.settings = settings
         self.registry = Registry(settings.redis_url)
         self.pool = WorkerPool(settings.admission.default_prefill_tokens_per_s)
-        policies = build_policies(settings.routing, settings.admission)
-        self.admission = Admission(settings.admission, self.pool, policies)
+        self.prefixes = PrefixIndex(settings.admission.kv_block_size)
+        policies = build_policies(settings.routing, settings.admission, self.prefixes)
+        self.admission = Admission(settings.admission, self.pool, policies, prefixes=self.prefixes)
         self.decode = DecodeClient(settings.worker_tls)
         self.gateway: Gateway | None = None
         self.http_port = 0
@@ -43,6 +46,7 @@ class RouterServer:
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
+        self._prefix_task: asyncio.Task[None] | None = None
 
     async def start(self) -> RouterServer:
         settings = self.settings
@@ -60,6 +64,9 @@ class RouterServer:
         await self._grpc.start()
         await self._refresh()
         self._follow_task = asyncio.create_task(self._follow_registry())
+        self._prefix_task = asyncio.create_task(
+            follow_prefixes(self.prefixes, settings.redis_url, self.pool.worker_ids)
+        )
         await self._start_http()
         log.info("router serving HTTP on %s:%d and gRPC on %s:%d", settings.host,
                  self.http_port, settings.host, self.grpc_port)  # fmt: skip
@@ -109,9 +116,10 @@ class RouterServer:
             await self._grpc.stop(self.settings.drain_grace_s)
         if self._http_task is not None:
             await self._http_task
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            await asyncio.gather(self._follow_task, return_exceptions=True)
+        tasks = [t for t in (self._follow_task, self._prefix_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.decode.close()
 
 

@@ -91,10 +91,23 @@ class RoutingSettings:
     # Watermark T = a * queued_tokens / tokens_per_s + b * queued_requests.
     watermark_a: float = 0.6
     watermark_b: float = 0.4
+    # The watermark policy's prefix scorers (0: load only). Prefill: seconds of prefill the
+    # worker's cache saves (cached prompt tokens / its speed) count this much against the
+    # watermark's T; equal to watermark_a, a cached token weighs as much as a queued one.
+    # Decode: the fraction of the prompt's KV the worker holds counts this much against its
+    # KV usage + running-requests cost (each in [0, 1]).
+    prefix_prefill_weight: float = 0.6
+    prefix_decode_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise SettingsError(f"routing policy must be one of {POLICY_NAMES}: {self.policy!r}")
+        weights = {"prefix_prefill_weight": self.prefix_prefill_weight,
+                   "prefix_decode_weight": self.prefix_decode_weight}  # fmt: skip
+        problems = [f"{name}={value} must be >= 0" for name, value in weights.items()
+                    if not value >= 0]  # fmt: skip
+        if problems:
+            raise SettingsError("routing settings: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""What admission and routing know about one request: its size, length bucket and arrival."""
+"""What admission and routing know about one request: its size, length bucket, arrival and
+prompt block hashes."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class Ticket:
     affinity_key: bytes  # the prompt's leading tokens, hashed (for the hash policy)
     # Decode workers this request was lost on (migration): never routed there again.
     excluded_decode_ids: frozenset[str] = frozenset()
+    # The prompt's chained block hashes (pdserve.prefix_hash), for the prefix scorers.
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def num_total_tokens(self) -> int:

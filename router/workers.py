@@ -57,6 +57,9 @@ class WorkerPool:
         infos = self._infos
         return bool(infos["aggregated"]) or bool(infos["prefill"] and infos["decode"])
 
+    def worker_ids(self) -> set[str]:
+        return {info.worker_id for infos in self._infos.values() for info in infos}
+
     def infos(self, role: Role) -> list[WorkerInfo]:
         return list(self._infos[role])
 

@@ -23,6 +23,7 @@ from router.admission.drain import DrainRates
 from router.admission.queue import AdmissionQueue
 from router.errors import Overloaded, RejectReason, Unavailable
 from router.ledger import Assignment
+from router.prefix_index import PrefixIndex
 from router.routing import RoutingPolicies
 from router.settings import AdmissionSettings
 from router.ticket import Ticket
@@ -54,12 +55,13 @@ class Lease:
 class Admission:
     def __init__(
         self, settings: AdmissionSettings, pool: WorkerPool, policies: RoutingPolicies,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, prefixes: PrefixIndex | None = None,
     ) -> None:  # fmt: skip
         self.settings = settings
         self.pool = pool
         self.policies = policies
         self.clock = clock
+        self.prefixes = prefixes  # records each choice's prefix overlap
         self.queue = AdmissionQueue(settings.delays_s())
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._predicted_wait_s: dict[str, float] = {}  # at arrival, for the error metric
@@ -173,6 +175,8 @@ class Admission:
         if predicted_s is not None:
             admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(predicted_s)
             admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - predicted_s)
+        if self.prefixes is not None:
+            self.prefixes.record(ticket, prefill.info, decode.info)
         if prefill is decode:
             metrics.ROUTED.labels("aggregated", prefill.worker_id).inc()
         else:

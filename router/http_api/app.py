@@ -84,14 +84,17 @@ def create_app(gateway: Gateway) -> FastAPI:
         admission = gateway.admission
         queue = {b: admission.queue.depth(b) for b in admission.queue.delays_s}
         pool = gateway.pool
+        prefixes = admission.prefixes
         workers = [
             _worker_json(
                 view, pool.ledgers["decode" if role == "aggregated" else role].share(view.worker_id)
             )  # fmt: skip
+            | ({"prefix_cache": prefixes.worker_json(view.worker_id)} if prefixes else {})
             for role in ROLES
             for view in pool.views(role)
         ]
-        return {"workers": workers, "queue": queue}
+        body = {"workers": workers, "queue": queue}
+        return body | ({"recent_choices": prefixes.recent_json()} if prefixes else {})
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:

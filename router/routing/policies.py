@@ -1,16 +1,19 @@
 """The named routing policies (PDSERVE_ROUTING_POLICY), each a prefill and a decode policy.
 All apply the same filters (context fits, prefill token budget, decode KV room, not a decode
 worker the request was lost on); they differ only in how they choose among the workers that
-pass. An aggregated worker is chosen with both sides' filters, prefill's scorer first."""
+pass. An aggregated worker is chosen with both sides' filters, prefill's scorers first.
+Given a prefix index, the watermark policy also weighs what each worker's prefix cache holds
+(RoutingSettings.prefix_*_weight)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.prefix_index import PrefixIndex
 from router.routing.filters import ContextFits, KVFits, NotExcluded, PrefillBudget
 from router.routing.framework import Filter, Policy, Scorer
 from router.routing.pickers import LowestCost, PrefixHash, RoundRobin
-from router.routing.scorers import KVUsage, RunningRequests, Watermark
+from router.routing.scorers import KVSaved, KVUsage, PrefillSaved, RunningRequests, Watermark
 from router.settings import AdmissionSettings, RoutingSettings
 
 
@@ -21,7 +24,9 @@ class RoutingPolicies:
     aggregated: Policy | None = None  # None: aggregated workers are never chosen
 
 
-def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> RoutingPolicies:
+def build_policies(
+    routing: RoutingSettings, admission: AdmissionSettings, prefixes: PrefixIndex | None = None
+) -> RoutingPolicies:
     prefill_filters: tuple[Filter, ...] = (
         ContextFits(),
         PrefillBudget(admission.prefill_token_budget),
@@ -36,6 +41,9 @@ def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> Ro
             (1.0, KVUsage()),
             (1.0, RunningRequests()),
         )
+        if prefixes is not None:
+            prefill_scorers += _weighted(routing.prefix_prefill_weight, PrefillSaved(prefixes))
+            decode_scorers += _weighted(routing.prefix_decode_weight, KVSaved(prefixes))
         return RoutingPolicies(
             Policy(prefill_filters, prefill_scorers, LowestCost()),
             Policy(decode_filters, decode_scorers, LowestCost()),
@@ -47,3 +55,7 @@ def build_policies(routing: RoutingSettings, admission: AdmissionSettings) -> Ro
         Policy(prefill_filters, (), make_picker()), Policy(decode_filters, (), make_picker()),
         Policy(aggregated_filters, (), make_picker()),
     )  # fmt: skip
+
+
+def _weighted(weight: float, scorer: Scorer) -> tuple[tuple[float, Scorer], ...]:
+    return ((weight, scorer),) if weight > 0 else ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.prefix_index import PrefixIndex
 from router.ticket import Ticket
 from router.workers import WorkerView
 
@@ -41,3 +42,26 @@ class RunningRequests:
     def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
         busiest = max(w.running_requests for w in workers)
         return [w.running_requests / busiest if busiest else 0.0 for w in workers]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSaved:
+    """Seconds of prefill the worker's prefix cache saves this request (its cached prompt
+    tokens at its measured speed), as a negative cost in the watermark's unit."""
+
+    prefixes: PrefixIndex
+
+    def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
+        return [-self.prefixes.overlap_tokens(w.info, ticket) / w.tokens_per_s for w in workers]
+
+
+@dataclass(frozen=True, slots=True)
+class KVSaved:
+    """The fraction of the prompt's KV the decode worker already holds (neither sent nor
+    allocated again), as a negative cost."""
+
+    prefixes: PrefixIndex
+
+    def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
+        num_prompt = max(1, ticket.num_prompt_tokens)
+        return [-self.prefixes.overlap_tokens(w.info, ticket) / num_prompt for w in workers]

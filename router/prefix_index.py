@@ -1,0 +1,136 @@
+"""What each worker's prefix cache holds, followed from the workers' event streams
+(pdserve/kv_events.py): how many leading tokens of a prompt a worker has cached (what the
+prefix scorers weigh), and the overlap of each routing choice (for /admin/workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from pdserve.kv_events import STREAM_PREFIX, CacheUpdate, stream_key
+from pdserve.registry import WorkerInfo
+from router import metrics
+from router.ticket import Ticket
+
+log = logging.getLogger(__name__)
+
+_RECENT_CHOICES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    request_id: str
+    prefill_worker: str
+    prefill_overlap_tokens: int  # prompt tokens its prefix cache holds: prefill not computed
+    decode_worker: str
+    decode_overlap_tokens: int  # prompt tokens of KV it holds: not sent, not allocated
+
+
+@dataclass(slots=True)
+class PrefixIndex:
+    """Per worker, the set of block hashes its cache holds. Prompts are hashed at the router's
+    block size; a worker registered with another block size never matches."""
+
+    block_size: int
+    _cached: dict[str, set[bytes]] = field(default_factory=dict)
+    _positions: dict[str, str] = field(default_factory=dict)  # last stream entry id read
+    _last_overlap: dict[str, int] = field(default_factory=dict)
+    recent: deque[Choice] = field(default_factory=lambda: deque(maxlen=_RECENT_CHOICES))
+
+    def apply(self, worker_id: str, entry_id: str, update: CacheUpdate) -> None:
+        if update.is_snapshot:
+            self._cached[worker_id] = set(update.stored)
+        else:
+            cached = self._cached.setdefault(worker_id, set())
+            cached.difference_update(update.evicted)
+            cached.update(update.stored)
+        self._positions[worker_id] = entry_id
+        metrics.KV_EVENTS.labels("stored").inc(len(update.stored))
+        metrics.KV_EVENTS.labels("evicted").inc(len(update.evicted))
+
+    def retain(self, worker_ids: set[str]) -> None:
+        """Forgets the workers that left the registry (one that returns is read afresh)."""
+        for worker_id in set(self._positions) - worker_ids:
+            self._positions.pop(worker_id)
+            self._cached.pop(worker_id, None)
+            self._last_overlap.pop(worker_id, None)
+
+    def position(self, worker_id: str) -> str:
+        return self._positions.get(worker_id, "0-0")  # a new worker: its whole stream
+
+    def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
+        return frozenset(self._cached.get(worker_id, ()))
+
+    def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> int:
+        """The leading prompt tokens the worker's prefix cache holds."""
+        if worker.block_size != self.block_size:
+            return 0
+        cached = self._cached.get(worker.worker_id, set())
+        num_blocks = 0
+        for block_hash in ticket.block_hashes:
+            if block_hash not in cached:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def record(self, ticket: Ticket, prefill: WorkerInfo, decode: WorkerInfo) -> Choice:
+        """A routing choice: its overlaps go to the metric and the admin view."""
+        choice = Choice(
+            ticket.request_id, prefill.worker_id, self.overlap_tokens(prefill, ticket),
+            decode.worker_id, self.overlap_tokens(decode, ticket),
+        )  # fmt: skip
+        sides = [(prefill, choice.prefill_overlap_tokens)]
+        if decode is not prefill:  # an aggregated worker is one choice
+            sides.append((decode, choice.decode_overlap_tokens))
+        for worker, tokens in sides:
+            metrics.PREFIX_OVERLAP.labels(worker.role).observe(tokens)
+            self._last_overlap[worker.worker_id] = tokens
+        self.recent.append(choice)
+        return choice
+
+    def worker_json(self, worker_id: str) -> dict[str, int | None]:
+        return {
+            "cached_blocks": len(self._cached.get(worker_id, ())),
+            "last_overlap_tokens": self._last_overlap.get(worker_id),
+        }
+
+    def recent_json(self) -> list[dict[str, Any]]:
+        return [asdict(c) for c in self.recent]
+
+
+async def follow(
+    index: PrefixIndex, redis_url: str, worker_ids: Callable[[], Iterable[str]],
+    block_ms: int = 200,
+) -> None:  # fmt: skip
+    """Reads the registered workers' streams into the index until cancelled: a worker new to
+    the index from its first entry (its last snapshot rebuilds it), then as entries come."""
+    client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=5.0)
+    try:
+        while True:
+            registered = set(worker_ids())
+            index.retain(registered)
+            if not registered:
+                await asyncio.sleep(block_ms / 1000)
+                continue
+            streams = {stream_key(w): index.position(w) for w in sorted(registered)}
+            try:
+                replies = await client.xread(streams, count=1000, block=block_ms)
+            except redis.RedisError as e:  # keep routing on what the index holds
+                log.warning("reading prefix-cache events failed: %s", e)
+                await asyncio.sleep(1.0)
+                continue
+            for key, entries in replies:
+                worker_id = key.decode()[len(STREAM_PREFIX) + 1 :]
+                if worker_id not in registered:
+                    continue
+                for entry_id, fields in entries:
+                    index.apply(worker_id, entry_id.decode(), CacheUpdate.from_fields(fields))
+    finally:
+        await client.aclose()

@@ -1,0 +1,94 @@
+"""The prefix scorers, table-driven and pure: a cached prefix wins at equal load, load wins
+over a cached prefix when the holder is busy enough, and the choice's overlap is recorded."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from router_harness import pool_of, ticket, with_load, worker
+
+from pdserve.kv_events import CacheUpdate
+from pdserve.prefix_hash import prompt_block_hashes
+from router.prefix_index import Choice, PrefixIndex
+from router.routing import build_policies
+from router.settings import AdmissionSettings, RoutingSettings
+
+PROMPT = list(range(1000, 1400))  # 400 tokens: 24 blocks a cache can serve
+HASHES = prompt_block_hashes(PROMPT, 16)
+
+
+def index_with(holdings: dict[str, int]) -> PrefixIndex:
+    """Each worker caches that many leading blocks of PROMPT."""
+    index = PrefixIndex(16)
+    for worker_id, num_blocks in holdings.items():
+        index.apply(worker_id, "1-0", CacheUpdate(True, HASHES[:num_blocks]))
+    return index
+
+
+def prompt_ticket():
+    return replace(ticket("r", len(PROMPT), prompt=PROMPT), block_hashes=HASHES)
+
+
+PREFILL_CASES = [
+    # (b's queued tokens, b's block size, prefill weight, chosen): a holds nothing, b holds
+    # 20 blocks (320 tokens = 0.64 s at 500 tokens/s); both run at 500 tokens/s.
+    pytest.param(0, 16, 0.6, "b", id="equal-load-the-holder-wins"),
+    pytest.param(300, 16, 0.6, "b", id="less-queued-than-it-saves"),
+    pytest.param(340, 16, 0.6, "a", id="more-queued-than-it-saves"),
+    pytest.param(2000, 16, 0.6, "a", id="heavily-loaded-holder-load-wins"),
+    pytest.param(0, 16, 0.0, "a", id="weight-0-is-load-only"),
+    pytest.param(0, 32, 0.6, "a", id="other-block-size-never-matches"),
+]
+
+
+@pytest.mark.parametrize("queued, block_size, weight, expected", PREFILL_CASES)
+def test_prefill_choice_weighs_saved_prefill_against_load(queued, block_size, weight, expected):
+    a = worker("prefill", "a", tokens_per_s=500)
+    b = replace(worker("prefill", "b", tokens_per_s=500, queued_tokens=queued),
+                block_size=block_size)  # fmt: skip
+    index = index_with({"b": 20})
+    routing = RoutingSettings("watermark", prefix_prefill_weight=weight)
+    policies = build_policies(routing, AdmissionSettings(), index)
+    assert policies.prefill.choose(pool_of(a, b).views("prefill"), prompt_ticket()).worker_id == (
+        expected
+    )
+
+
+DECODE_CASES = [
+    # (running requests on b, decode weight, chosen): b holds 24 blocks (384 of 400 tokens).
+    pytest.param(0, 0.5, "b", id="equal-load-the-holder-wins"),
+    pytest.param(4, 0.5, "a", id="busy-holder-load-wins"),
+    pytest.param(0, 0.0, "a", id="weight-0-is-load-only"),
+]
+
+
+@pytest.mark.parametrize("running, weight, expected", DECODE_CASES)
+def test_decode_choice_weighs_held_kv_against_load(running, weight, expected):
+    a = worker("decode", "a")
+    b = with_load(worker("decode", "b"), running_requests=running)
+    policies = build_policies(
+        RoutingSettings("watermark", prefix_decode_weight=weight), AdmissionSettings(),
+        index_with({"b": 24}),
+    )  # fmt: skip
+    view = policies.decode.choose(pool_of(a, b).views("decode"), prompt_ticket())
+    assert view.worker_id == expected
+
+
+def test_overlap_counts_only_the_leading_cached_blocks_and_is_recorded():
+    index = index_with({"p": 24, "d": 10})
+    index.apply("p", "2-0", CacheUpdate(False, (), (HASHES[5],)))  # a hole at block 5
+    p, d = worker("prefill", "p"), worker("decode", "d")
+    choice = index.record(prompt_ticket(), p, d)
+    assert choice == Choice("r", "p", 5 * 16, "d", 10 * 16)
+    assert index.worker_json("p") == {"cached_blocks": 23, "last_overlap_tokens": 80}
+    assert index.recent_json()[-1]["decode_overlap_tokens"] == 160
+    index.retain({"d"})
+    assert index.worker_json("p") == {"cached_blocks": 0, "last_overlap_tokens": None}
+
+
+def test_negative_weights_are_refused():
+    from router.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="prefix_decode_weight=-1 must be >= 0"):
+        RoutingSettings(prefix_decode_weight=-1)
