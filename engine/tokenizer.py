@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from engine.chat_template import ChatTemplate, ChatTemplateError, compile_template
 
 _CONTROL_TOKEN = 3  # GGUF token_type of special tokens such as <|im_end|>
 
@@ -52,10 +54,6 @@ def write_tokenizer_files(meta: dict, out_dir: Path) -> None:
         else None,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or the messages do not fit it."""
 
 
 @dataclass(slots=True)
@@ -109,24 +107,24 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def chat(self) -> ChatTemplate:
+        """The model's chat template, compiled once (compile_template caches by source)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt")
-        try:
-            template = _jinja().from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # a template error is the caller's message shape, never a crash
-            raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
+        return compile_template(
+            self.chat_template, self._token_text(self.bos_token_id),
+            self._token_text(self.eos_token_id),
+        )  # fmt: skip
 
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **options: Any
+    ) -> str:
+        """options: ChatTemplate.render's (continue_final_message, variables)."""
+        return self.chat().render(messages, add_generation_prompt=add_generation_prompt,
+                                  **options)  # fmt: skip
 
-def _jinja() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    return env
-
-
-def _raise(message: str) -> None:
-    raise ChatTemplateError(message)
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.hf.id_to_token(token_id) or ""
 
 
 @dataclass(slots=True)

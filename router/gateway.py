@@ -10,11 +10,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 
 from engine import InvalidRequestError, SamplingParams
-from engine.tokenizer import ChatTemplateError, TextTokenizer
+from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.tokenizer import TextTokenizer
 from pdserve import wire
 from pdserve.prefix_hash import prompt_block_hashes
 from pdserve.registry import ROLES
@@ -74,9 +76,18 @@ class Gateway:
             raise Unavailable("no worker is registered; retry when one is up")
         return min(lengths)
 
-    async def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def chat_template(self) -> ChatTemplate:
         try:
-            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+            return self.tokenizer.chat()
+        except ChatTemplateError as e:
+            raise InvalidRequest(str(e), param="messages") from e
+
+    async def render_chat(
+        self, template: ChatTemplate, messages: list[dict[str, Any]], **options: Any
+    ) -> str:
+        """options: ChatTemplate.render's."""
+        try:
+            return await asyncio.to_thread(template.render, messages, **options)
         except ChatTemplateError as e:
             raise InvalidRequest(str(e), param="messages") from e
 

@@ -19,6 +19,7 @@ from router import metrics
 from router.auth import check_bearer
 from router.errors import NotFound, Overloaded, RouterError, status_of
 from router.gateway import Gateway, Job
+from router.http_api import chat
 from router.http_api.body_limit import BodyLimit
 from router.http_api.openai_format import Kind, Responder, error_body, error_json
 from router.http_api.request_id import RequestId, check_request_id
@@ -119,7 +120,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         received_s = time.monotonic()
         body = parse_body(await request.body(), ChatBody)
         _check(request, body, settings.model)
-        text = await gateway.render_chat(body.template_messages())
+        template = gateway.chat_template()
+        options = chat.template_options(body, template)
+        text = await gateway.render_chat(template, chat.template_messages(body), **options)
         # vLLM's default for chat: False, the template writes its own special tokens.
         ids = await gateway.tokenize(text, "messages", body.add_special_tokens is True)
         ids = body.truncate(ids)
@@ -130,7 +133,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             return SamplingParams(**({"max_tokens": room} | fields))
 
         job = gateway.job(ids, params, received_s, "messages")
-        return await _respond(request, gateway, job, body, "chat")
+        return await _respond(request, gateway, job, body, "chat", chat.echo_prefix(body))
 
     return app
 

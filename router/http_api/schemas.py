@@ -113,9 +113,23 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -125,19 +139,46 @@ class ChatMessage(_Body):
         return "".join(part.text or "" for part in self.content)
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatBody(GenerationBody):
-    messages: list[ChatMessage] = Field(min_length=1)
     refused = refused_fields.CHAT
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # What the chat template gets (engine/chat_template.py), with vLLM's switches.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None  # None: true, unless continue_final_message
+    continue_final_message: bool = False
+    echo: bool = False  # a final assistant message comes back in front of the reply
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = GenerationBody.sampling_fields(self)
         if self.max_completion_tokens is not None:  # the newer name wins, as in OpenAI's API
             fields["max_tokens"] = self.max_completion_tokens
         return fields
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
