@@ -17,11 +17,13 @@ from engine import SamplingParams
 from pdserve.registry import ROLES
 from router import metrics
 from router.auth import check_bearer
-from router.errors import NotFound, Overloaded, RouterError, status_of
+from router.errors import Overloaded, RouterError, status_of
 from router.gateway import Gateway, Job
 from router.http_api import chat
 from router.http_api.body_limit import BodyLimit
+from router.http_api.info import REQUEST_MODELS, check_model, info_routes, pdserve_version
 from router.http_api.openai_format import Kind, Responder, error_body, error_json
+from router.http_api.openapi import declare_request_bodies
 from router.http_api.request_id import RequestId, check_request_id
 from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
 from router.http_api.streaming import ClientGone, collect, sse_events, until_disconnect
@@ -39,7 +41,11 @@ def error_response(error: RouterError) -> JSONResponse:
 
 def create_app(gateway: Gateway) -> FastAPI:
     settings = gateway.settings
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs (Swagger UI) are FastAPI's own; no ReDoc.
+    app = FastAPI(title="pdserve router", version=pdserve_version(), redoc_url=None)
+    declare_request_bodies(app, REQUEST_MODELS | {
+        "/v1/completions": (CompletionBody,), "/v1/chat/completions": (ChatBody,),
+    })  # fmt: skip
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=error_response)
     app.add_middleware(RequestId, reject=error_response)  # outermost: errors carry it too
 
@@ -75,10 +81,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=guarded)
-    async def models() -> dict[str, Any]:
-        model = {"id": settings.model, "object": "model", "created": 0, "owned_by": "pdserve"}
-        return {"object": "list", "data": [model]}
+    app.include_router(info_routes(gateway, guarded))
 
     @app.get("/admin/workers", dependencies=guarded)
     async def workers() -> dict[str, Any]:
@@ -139,9 +142,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 
 def _check(request: Request, body: GenerationBody, model: str) -> None:
-    if body.model is not None and body.model != model:
-        raise NotFound(f"model {body.model!r} does not exist; this server serves {model!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+    check_model(body.model, model)
     if body.request_id is not None and not request.state.request_id_given:
         request.state.request_id = check_request_id(body.request_id, "request_id")
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from engine.chat_template import RESERVED, ChatTemplate
 from router.errors import InvalidRequest
-from router.http_api.schemas import ChatBody, ChatMessage, NamedToolChoice
+from router.http_api.schemas import ChatBody, ChatMessage, ChatTemplateFields, NamedToolChoice
 
 
-def template_options(body: ChatBody, template: ChatTemplate) -> dict[str, Any]:
+def template_options(body: ChatTemplateFields, template: ChatTemplate) -> dict[str, Any]:
     """ChatTemplate.render's keyword arguments for this request."""
     if body.continue_final_message and body.add_generation_prompt:
         raise InvalidRequest(
@@ -28,7 +28,7 @@ def template_options(body: ChatBody, template: ChatTemplate) -> dict[str, Any]:
     }
 
 
-def template_messages(body: ChatBody) -> list[dict[str, Any]]:
+def template_messages(body: ChatTemplateFields) -> list[dict[str, Any]]:
     return [_message(message, i) for i, message in enumerate(body.messages)]
 
 
@@ -39,7 +39,7 @@ def echo_prefix(body: ChatBody) -> str:
     return final.text() if body.echo and final.role == "assistant" else ""
 
 
-def _optional_inputs(body: ChatBody, template: ChatTemplate) -> dict[str, Any]:
+def _optional_inputs(body: ChatTemplateFields, template: ChatTemplate) -> dict[str, Any]:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
     choice = body.tool_choice
     if choice is not None and choice != "none":
@@ -60,7 +60,7 @@ def _optional_inputs(body: ChatBody, template: ChatTemplate) -> dict[str, Any]:
     return {name: value for name, value in inputs.items() if value is not None}
 
 
-def _template_kwargs(body: ChatBody, template: ChatTemplate) -> dict[str, Any]:
+def _template_kwargs(body: ChatTemplateFields, template: ChatTemplate) -> dict[str, Any]:
     kwargs = body.chat_template_kwargs or {}
     for key in kwargs:
         if key in RESERVED:

@@ -67,6 +67,8 @@ STRUCTURED = (
     Refused("guided_decoding_backend", "no structured output yet"),
     Refused("structural_tag", "no structured output yet"),
 )
+# A request's own template would run the caller's code (loops included) in the router.
+CHAT_TEMPLATE = Refused("chat_template", "only the model's own chat template")
 COMPLETION = (
     *SAMPLING, *SERVER, *STRUCTURED,
     Refused("best_of", "one sample per request", (None, 1)),
@@ -88,8 +90,7 @@ CHAT = (
     Refused("verbosity", "no chat template takes a verbosity"),
     Refused("include_reasoning", "no reasoning parser splits it from the content", (None, True)),
     Refused("mm_processor_kwargs", "text-only model"),
-    # A request's own template would run the caller's code (loops included) in the router.
-    Refused("chat_template", "only the model's own chat template"),
+    CHAT_TEMPLATE,
 )  # fmt: skip
 
 

@@ -160,11 +160,10 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class ChatBody(GenerationBody):
-    refused = refused_fields.CHAT
+class ChatTemplateFields(_Body):
+    """What the chat template gets (engine/chat_template.py), with vLLM's switches."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    # What the chat template gets (engine/chat_template.py), with vLLM's switches.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     documents: list[dict[str, str]] | None = None
@@ -172,6 +171,11 @@ class ChatBody(GenerationBody):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None  # None: true, unless continue_final_message
     continue_final_message: bool = False
+
+
+class ChatBody(GenerationBody, ChatTemplateFields):
+    refused = refused_fields.CHAT
+    max_completion_tokens: int | None = None
     echo: bool = False  # a final assistant message comes back in front of the reply
 
     def sampling_fields(self) -> dict[str, Any]:
@@ -181,7 +185,40 @@ class ChatBody(GenerationBody):
         return fields
 
 
+class TokenizeCompletionBody(_Body):
+    """vLLM's /tokenize for a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatBody(ChatTemplateFields):
+    """vLLM's /tokenize for chat messages, rendered as /v1/chat/completions would."""
+
+    refused = (refused_fields.CHAT_TEMPLATE,)
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[UInt32]
+
+
+def parse_tokenize(raw: bytes) -> TokenizeCompletionBody | TokenizeChatBody:
+    """vLLM's two /tokenize shapes: messages make it a chat."""
+    data = _json_object(raw)
+    return _validate(data, TokenizeChatBody if "messages" in data else TokenizeCompletionBody)
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
+    return _validate(_json_object(raw), model)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
@@ -192,8 +229,12 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise InvalidRequest("request body is nested too deeply") from e
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    return data
+
+
+def _validate(data: dict[str, Any], model: type[M]) -> M:
+    refused_fields.refuse(data, model.refused)
     try:
-        refused_fields.refuse(data, model.refused)
         return model.model_validate(data)
     except ValidationError as e:
         error = e.errors()[0]
