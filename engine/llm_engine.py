@@ -99,6 +99,9 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside [0, {vocab})")
         return Request(
             request_id=request_id,
             token_ids=token_ids,
@@ -107,6 +110,7 @@ class LLMEngine:
             generator=make_generator(params, self.config.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             max_total_tokens=min(self.max_model_len, len(token_ids) + params.max_tokens),
+            eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
             arrival_time_s=self.clock(),
         )
 

@@ -143,7 +143,7 @@ class ModelRunner:
         sampled, logits = self.forward(batch)
         if not sampled:
             return {}
-        token_ids = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        token_ids = sample(logits, sampled)
         return {r.request_id: t for r, t in zip(sampled, token_ids, strict=True)}
 
     def forward(self, batch: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor]:

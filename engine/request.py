@@ -33,6 +33,7 @@ class Request:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     max_total_tokens: int  # the context limit: generation stops at it with reason "length"
+    eos_token_id: int | None = None  # ends it (None with ignore_eos); min_tokens suppresses it
     status: RequestStatus = "waiting"
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule

@@ -1,12 +1,25 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""The sampler: one batched pass over a step's logits, in vLLM's order. First the stages that
+can change any row's pick, greedy included (logit bias, min_tokens, penalties); then greedy rows
+take the argmax, and sampled rows get temperature, min_p, top-k and top-p as masks over all of
+them at once and one draw each from their own generator."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+# A stage edits logits [n, vocab] (float32, row i is requests[i]) in place. LOGITS_STAGES run
+# in order before the greedy pick; a new per-row processor (a grammar mask) is one more entry.
+LogitsStage = Callable[[torch.Tensor, Sequence[Request]], None]
+
+# Top-p looks for its cut among each row's most likely tokens first: on a CPU a top-k of this
+# width costs a small fraction of a full-vocabulary sort. A row whose nucleus is wider is sorted
+# in full, so the result never depends on the width (nor, therefore, on the batch).
+TOP_P_CANDIDATES = 256
 
 
 def make_generator(params: SamplingParams, device: str) -> torch.Generator | None:
@@ -21,33 +34,163 @@ def make_generator(params: SamplingParams, device: str) -> torch.Generator | Non
     return generator
 
 
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """logits: [n, vocab] float32, one row per request that needs a next token. Every row is
-    sampled on the logits' device; the tokens come to the host once, in one copy at the end
+@torch.inference_mode()
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """logits: [n, vocab] float32, row i for requests[i], which needs a next token (the
+    sampler may edit them in place). The tokens come to the host once, in one copy at the end
     (on CUDA, the step's only host sync)."""
+    for stage in LOGITS_STAGES:
+        stage(logits, requests)
     token_ids = logits.argmax(dim=-1)
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if not p.is_greedy:
-            token_ids[row] = _sample_row(logits[row], p, generator)
+    rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+    if rows:
+        index = _index(rows, logits.device)
+        drawn = _draw(logits.index_select(0, index), [requests[i] for i in rows])
+        token_ids.index_copy_(0, index, drawn)
     return token_ids.tolist()
 
 
-def _sample_row(
-    logits: torch.Tensor, p: SamplingParams, generator: torch.Generator
-) -> torch.Tensor:  # 0-d, on the logits' device
-    logits = logits / p.temperature
-    if p.top_k is not None and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        sorted_probs.masked_fill_(drop, 0.0)  # not probs[mask] = 0: that syncs on CUDA
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+# ---- stages that change greedy picks too --------------------------------------------------------
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    rows, token_ids, biases = [], [], []
+    for i, r in enumerate(requests):
+        for token_id, bias in r.params.logit_bias.items():
+            rows.append(i)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if rows:
+        where = (_index(rows, logits.device), _index(token_ids, logits.device))
+        logits.index_put_(where, torch.tensor(biases, device=logits.device), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Until a request has min_tokens output tokens, its EOS and stop token ids cannot win."""
+    rows, token_ids = [], []
+    for i, r in enumerate(requests):
+        if r.num_output_tokens < r.params.min_tokens:
+            ends = [*r.params.stop_token_ids, *([] if r.eos_token_id is None else [r.eos_token_id])]
+            rows.extend([i] * len(ends))
+            token_ids.extend(ends)
+    if rows:
+        where = (_index(rows, logits.device), _index(token_ids, logits.device))
+        logits.index_put_(where, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """vLLM's penalties: a repetition penalty r divides a positive logit by r and multiplies a
+    negative one by r, for every token seen in the prompt or the output; then the frequency
+    penalty is subtracted once per time a token was generated and the presence penalty once for
+    every token generated at all. The prompt counts for the repetition penalty only."""
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    if not rows:
+        return
+    chosen = [requests[i] for i in rows]
+    device, vocab = logits.device, logits.shape[1]
+    index = _index(rows, device)
+    sub = logits.index_select(0, index)  # [m, vocab]
+    counts = _bin_counts([r.output_token_ids for r in chosen], vocab, device)  # [m, vocab]
+    generated = counts > 0
+    if any(r.params.repetition_penalty != 1.0 for r in chosen):
+        seen = generated | (_bin_counts([r.prompt_token_ids for r in chosen], vocab, device) > 0)
+        penalty = torch.where(
+            seen, _column([r.params.repetition_penalty for r in chosen], device), 1.0
+        )
+        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    sub -= _column([r.params.frequency_penalty for r in chosen], device) * counts
+    sub -= _column([r.params.presence_penalty for r in chosen], device) * generated
+    logits.index_copy_(0, index, sub)
+
+
+LOGITS_STAGES: list[LogitsStage] = [apply_logit_bias, apply_min_tokens, apply_penalties]
+
+
+# ---- sampled rows -------------------------------------------------------------------------------
+def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """logits: [m, vocab] of sampled rows -> [m] token ids (int64, on the logits' device)."""
+    device = logits.device
+    logits = logits / _column([r.params.temperature for r in requests], device)
+    if any(r.params.min_p > 0.0 for r in requests):
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * _column(
+            [r.params.min_p for r in requests], device
+        )
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    logits = _top_k_top_p(logits, [r.params for r in requests])
+    cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)  # [m, vocab]
+    # One uniform number per row from the row's own stream, in (0, 1]: the first token whose
+    # cdf reaches u x total mass is a token of non-zero probability (inverse-CDF sampling).
+    uniform = 1.0 - torch.cat(
+        [torch.rand(1, generator=r.generator, device=device) for r in requests]
+    )
+    target = uniform.unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[1] - 1)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Masks (to -inf) what falls outside each row's top-k, then outside the smallest set of
+    most likely tokens whose probability (after top-k) reaches top_p; ties with the last kept
+    token are kept. A row with neither option is unchanged."""
+    vocab = logits.shape[1]
+    top_k = [min(p.top_k or vocab, vocab) for p in params]
+    top_p = [p.top_p for p in params]
+    if all(p == 1.0 for p in top_p):
+        if all(k == vocab for k in top_k):
+            return logits
+        width = max(k for k in top_k if k < vocab)
+    elif logits.device.type == "cuda":
+        width = vocab  # a full sort is cheap there, and the width check would sync the host
+    else:
+        width = min(vocab, max([TOP_P_CANDIDATES, *(k for k in top_k if k < vocab)]))
+    masked, covered = _truncate(logits, top_k, top_p, width)
+    if width < vocab:
+        wide = (~covered).nonzero().squeeze(1)
+        if wide.numel():  # nuclei wider than the candidates: those rows again, sorted in full
+            rows = wide.tolist()
+            redone, _ = _truncate(
+                logits.index_select(0, wide), [top_k[i] for i in rows], [top_p[i] for i in rows],
+                vocab,
+            )  # fmt: skip
+            masked.index_copy_(0, wide, redone)
+    return masked
+
+
+def _truncate(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k and top-p from each row's `width` most likely tokens; also returns [m] bool, True
+    where that was enough (top-k within width and, with top-p, the nucleus within width)."""
+    device = logits.device
+    values = logits.topk(width, dim=-1).values  # [m, width], descending
+    k = _index(top_k, device).unsqueeze(1)  # [m, 1]
+    kth = values.gather(1, (k - 1).clamp(max=width - 1))
+    logits = logits.masked_fill((k <= width) & (logits < kth), float("-inf"))
+    values = values.masked_fill(torch.arange(width, device=device) >= k, float("-inf"))
+    probs = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))
+    mass = probs.cumsum(dim=-1)
+    p = _column(top_p, device)
+    # Kept: the tokens before which the mass has not yet reached top_p (at least the first).
+    num_kept = torch.minimum(((mass - probs) < p).sum(dim=-1, keepdim=True), k.clamp(max=width))
+    cut = values.gather(1, num_kept - 1)
+    logits = logits.masked_fill((p < 1.0) & (logits < cut), float("-inf"))
+    covered = (k <= width) | (p == 1.0) | (mass[:, -1:] >= p)
+    return logits, covered.squeeze(1)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """[m, 1] float32, one value per row."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _bin_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[m, vocab] float32: how often each token occurs in each row's list."""
+    width = max(1, max(len(ids) for ids in token_ids))
+    # Rows are padded with the id `vocab`, which lands in a column cut off at the end.
+    padded = [ids + [vocab] * (width - len(ids)) for ids in token_ids]
+    counts = torch.zeros(len(token_ids), vocab + 1, device=device)
+    counts.scatter_add_(1, _index(padded, device), torch.ones(len(token_ids), width, device=device))
+    return counts[:, :vocab]

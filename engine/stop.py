@@ -33,6 +33,7 @@ class OutputText:
 
     detokenizer: IncrementalDetokenizer
     num_sent_chars: int = 0  # of `text`, already released to the client
+    num_tokens: int = 0  # generated tokens seen; none can stop the request before min_tokens
     stopped_text: str | None = None  # the detokenized text cut at a stop string
 
     @property
@@ -41,8 +42,10 @@ class OutputText:
 
     def add(self, token_id: int, params: SamplingParams, eos_token_id: int) -> StopHit | None:
         """Detokenizes one generated token and applies the stop rules to it."""
-        is_eos = token_id == eos_token_id and not params.ignore_eos
-        is_stop_token = token_id in params.stop_token_ids
+        self.num_tokens += 1
+        can_stop = self.num_tokens >= params.min_tokens  # vLLM's rule, stop strings included
+        is_eos = can_stop and token_id == eos_token_id and not params.ignore_eos
+        is_stop_token = can_stop and token_id in params.stop_token_ids
         if not (is_eos or is_stop_token) or params.include_stop_str_in_output:
             num_before = len(self.detokenizer.text)
             self.detokenizer.add(token_id)
@@ -53,7 +56,7 @@ class OutputText:
             return StopHit(None)
         if is_stop_token:
             return StopHit(token_id)
-        if not params.stop:
+        if not (params.stop and can_stop):
             return None
         match = find_stop(self.detokenizer.text, num_new, params.stop)
         if match is None:

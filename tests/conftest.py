@@ -22,3 +22,28 @@ def llm():
     from engine import LLM
 
     return LLM(num_threads=2)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """Hugging Face transformers on the same weights, fp32: the reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # No eos id: generation runs on through <|im_end|> exactly like ignore_eos does.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_logits(hf_model):
+    """token ids -> HF's fp32 logits [len, vocab]: row i predicts the token after ids[i]."""
+    import torch
+
+    def logits(token_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():  # not inference_mode: the tests edit the rows they get
+            return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+    return logits

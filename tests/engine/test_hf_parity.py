@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from engine import SamplingParams
@@ -24,17 +23,6 @@ def prompts(tokenizer) -> list[str]:
         "1, 1, 2, 3, 5, 8, 13,",
         long_story + "\nSummary:",
     ]
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # No eos id: generation runs on through <|im_end|> exactly like ignore_eos does.
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def hf_greedy(hf_model, prompt_ids: list[int]) -> list[int]:
