@@ -24,6 +24,7 @@ from engine.request import FinishReason, Request, StepOutput
 from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import Grammars
 from engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
+        self.grammars = Grammars(tokenizer, model_config.vocab_size)
         # The context: the model's positions, and never more than the whole pool can hold, so
         # a request alone always fits and preemption can never loop.
         self.max_model_len = min(
@@ -102,6 +104,7 @@ class LLMEngine:
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
             raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside [0, {vocab})")
+        constraint = params.structured_output
         return Request(
             request_id=request_id,
             token_ids=token_ids,
@@ -112,6 +115,7 @@ class LLMEngine:
             max_total_tokens=min(self.max_model_len, len(token_ids) + params.max_tokens),
             eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
             arrival_time_s=self.clock(),
+            matcher=None if constraint is None else self.grammars.matcher(constraint),
         )
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
@@ -246,9 +250,13 @@ class LLMEngine:
         request.token_ids.append(token_id)
         params = request.params
         hit = request.output.add(token_id, params, self.tokenizer.eos_token_id)
+        if request.matcher is not None:
+            request.matcher.consume_token(token_id)
         reason: FinishReason | None = None
         if hit is not None:
             reason, request.stop_reason = "stop", hit.reason
+        elif request.matcher is not None and request.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete: nothing but EOS could follow
         elif request.num_tokens >= request.max_total_tokens:
             reason = "length"
         if reason is not None:

@@ -12,6 +12,7 @@ from engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # torch only for a type: StepOutput crosses into the torch-free router
     import torch
+    from llguidance import LLMatcher
 
 RequestStatus = Literal["waiting", "running", "awaiting_kv", "finished"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -46,6 +47,8 @@ class Request:
     arrival_time_s: float = field(default_factory=time.monotonic)
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
+    # With params.structured_output: the grammar's state after every token so far.
+    matcher: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         self.output = OutputText(self.detokenizer)

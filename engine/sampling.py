@@ -11,6 +11,7 @@ import torch
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_grammar_masks
 
 # A stage edits logits [n, vocab] (float32, row i is requests[i]) in place. LOGITS_STAGES run
 # in order before the greedy pick; a new per-row processor (a grammar mask) is one more entry.
@@ -101,7 +102,13 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     logits.index_copy_(0, index, sub)
 
 
-LOGITS_STAGES: list[LogitsStage] = [apply_logit_bias, apply_min_tokens, apply_penalties]
+# The grammar mask first, as vLLM applies it: its -inf survives every later stage.
+LOGITS_STAGES: list[LogitsStage] = [
+    apply_grammar_masks,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+]
 
 
 # ---- sampled rows -------------------------------------------------------------------------------

@@ -6,11 +6,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.errors import InvalidRequestError
 
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, as in OpenAI's API and vLLM
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the whole output (engine/grammar.py turns it into a grammar). spec:
+    json_schema: the schema, serialized; regex: the pattern; choice: a JSON list of strings;
+    grammar: Lark or GBNF; json_object: ""."""
+
+    kind: GrammarKind
+    spec: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +48,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default=())
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string or any sequence, the way OpenAI clients send it.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -11,6 +12,7 @@ import grpc
 from engine import EngineBusyError, InvalidRequestError, SamplingParams
 from engine.errors import EngineDiedError, EngineStoppedError
 from engine.request import StepOutput
+from engine.sampling_params import StructuredOutput
 from engine.stop import StopReason
 from pdserve.v1 import generation_pb2 as pb
 
@@ -67,6 +69,8 @@ def sampling_params(proto: pb.SamplingParams, **overrides: object) -> SamplingPa
         stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
         ignore_eos=proto.ignore_eos, include_stop_str_in_output=proto.include_stop_str_in_output,
     )  # fmt: skip
+    if proto.HasField("structured_output"):
+        fields["structured_output"] = structured_output(proto.structured_output)
     fields.update(overrides)
     return SamplingParams(**fields)
 
@@ -82,7 +86,27 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        structured_output=structured_output_proto(params.structured_output),
     )
+
+
+def structured_output(proto: pb.StructuredOutput) -> StructuredOutput:
+    kind = proto.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequestError("structured_output sets no constraint")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(proto.choice.choices)))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(proto, kind))
+
+
+def structured_output_proto(constraint: StructuredOutput | None) -> pb.StructuredOutput | None:
+    if constraint is None:
+        return None
+    if constraint.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=json.loads(constraint.spec)))
+    if constraint.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{constraint.kind: constraint.spec})
 
 
 def response(output: StepOutput) -> pb.GenerateResponse:

@@ -272,6 +272,10 @@ class Run:
         gateway = self.gateway
         if is_migration and self.num_migrations >= gateway.settings.max_migrations:
             raise error
+        if is_migration and self.job.params.structured_output is not None:
+            # The new worker's grammar would start over inside an output already half
+            # written: the client gets the error instead of output that breaks its schema.
+            raise error
         excluded = self.ticket.excluded_decode_ids | {lost_id}
         decoders = gateway.pool.infos("decode") + gateway.pool.infos("aggregated")
         if all(w.worker_id in excluded for w in decoders):

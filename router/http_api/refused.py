@@ -57,15 +57,21 @@ SERVER = (
     Refused("prompt_cache_retention", "the prefix cache lives in KV memory", (None, "in-memory")),
 )
 STRUCTURED = (
-    Refused("response_format", "no structured output yet", (None, {"type": "text"})),
-    Refused("structured_outputs", "no structured output yet"),
-    Refused("guided_json", "no structured output yet"),
-    Refused("guided_regex", "no structured output yet"),
-    Refused("guided_choice", "no structured output yet"),
-    Refused("guided_grammar", "no structured output yet"),
-    Refused("guided_whitespace_pattern", "no structured output yet"),
-    Refused("guided_decoding_backend", "no structured output yet"),
-    Refused("structural_tag", "no structured output yet"),
+    Refused("guided_whitespace_pattern", 'JSON is written with ", " and ": " only'),
+    Refused("guided_decoding_backend", "one backend: llguidance"),
+    Refused("structural_tag", "no structural tags"),
+    Refused("structured_outputs.structural_tag", "no structural tags"),
+    Refused("structured_outputs.whitespace_pattern", 'JSON is written with ", " and ": " only'),
+    Refused(
+        "structured_outputs.disable_any_whitespace",
+        'JSON separators are ", " and ": "',
+        (None, False),
+    ),
+    Refused(
+        "structured_outputs.disable_additional_properties",
+        "schemas are taken as written",
+        (None, False),
+    ),
 )
 # A request's own template would run the caller's code (loops included) in the router.
 CHAT_TEMPLATE = Refused("chat_template", "only the model's own chat template")

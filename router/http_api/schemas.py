@@ -7,6 +7,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine.errors import InvalidRequestError
+from engine.grammar import grammar_of
+from engine.sampling_params import GrammarKind, StructuredOutput
 from router.errors import InvalidRequest
 from router.http_api import refused as refused_fields
 from router.http_api.refused import Refused
@@ -28,7 +31,100 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
-class GenerationBody(_Body):
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # BaseModel has a .schema
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs (the guided_* fields' successor)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None  # there is no fallback backend either way
+
+
+class StructuredFields(_Body):
+    """Structured output, in OpenAI's and vLLM's spellings: at most one constraint."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's constraint, checked (a 400 naming the field that holds it)."""
+        given = [(param, c) for param, c in self._constraints() if c is not None]
+        if len(given) > 1:
+            raise InvalidRequest(
+                f"one structured output constraint per request: {given[0][0]} and {given[1][0]}"
+                " are both set", param=given[1][0],
+            )  # fmt: skip
+        if not given:
+            return None
+        param, constraint = given[0]
+        try:
+            grammar_of(constraint)
+        except InvalidRequestError as e:
+            raise InvalidRequest(f"{param}: {e}", param=param) from e
+        return constraint
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
+        outputs = self.structured_outputs or StructuredOutputs()
+        return [
+            ("response_format", _response_format(self.response_format)),
+            ("guided_json", _json_schema(self.guided_json)),
+            ("guided_regex", _spec("regex", self.guided_regex)),
+            ("guided_choice", _choice(self.guided_choice)),
+            ("guided_grammar", _spec("grammar", self.guided_grammar)),
+            ("structured_outputs.json", _json_schema(outputs.json_)),
+            ("structured_outputs.regex", _spec("regex", outputs.regex)),
+            ("structured_outputs.choice", _choice(outputs.choice)),
+            ("structured_outputs.grammar", _spec("grammar", outputs.grammar)),
+            ("structured_outputs.json_object",
+             StructuredOutput("json_object") if outputs.json_object else None),
+        ]  # fmt: skip
+
+
+def _response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput("json_object")
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise InvalidRequest("response_format json_schema needs json_schema.schema",
+                             param="response_format.json_schema")  # fmt: skip
+    return _json_schema(response_format.json_schema.schema_)
+
+
+def _json_schema(schema: dict[str, Any] | str | None) -> StructuredOutput | None:
+    if schema is None:
+        return None
+    spec = schema if isinstance(schema, str) else json.dumps(schema)
+    return StructuredOutput("json_schema", spec)
+
+
+def _spec(kind: GrammarKind, spec: str | None) -> StructuredOutput | None:
+    return None if spec is None else StructuredOutput(kind, spec)
+
+
+def _choice(choices: list[str] | None) -> StructuredOutput | None:
+    return None if choices is None else StructuredOutput("choice", json.dumps(choices))
+
+
+class GenerationBody(StructuredFields):
     """The fields both APIs share (OpenAI names, plus vLLM's common extensions)."""
 
     model: str | None = None
@@ -58,6 +154,7 @@ class GenerationBody(_Body):
         return fields | {
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_output": self.structured_output(),
         }
 
     @field_validator("stop")
