@@ -43,6 +43,7 @@ bench: setup proto
 	$(PY) bench/engine.py --quick
 	$(PY) bench/kvtransfer.py
 	$(PY) bench/serve.py
+	$(PY) -m bench.structured_output
 
 clean:
 	rm -rf $(VENV) .venv-tools proto/gen
