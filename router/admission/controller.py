@@ -163,8 +163,12 @@ class Admission:
         if chosen is None:
             return None
         prefill, decode = chosen
+        num_to_prefill = ticket.num_prompt_tokens
+        if self.prefixes is not None:  # the prefill worker computes only what it lacks
+            choice = self.prefixes.record(ticket, prefill.info, decode.info)
+            num_to_prefill -= choice.prefill_overlap_tokens
         holds: dict[Role, Assignment] = {
-            "prefill": self.pool.assign("prefill", prefill.worker_id, ticket.num_prompt_tokens),
+            "prefill": self.pool.assign("prefill", prefill.worker_id, num_to_prefill),
             "decode": self.pool.assign("decode", decode.worker_id, ticket.num_kv_blocks),
         }
         now_s = self.clock()
@@ -175,8 +179,6 @@ class Admission:
         if predicted_s is not None:
             admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(predicted_s)
             admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - predicted_s)
-        if self.prefixes is not None:
-            self.prefixes.record(ticket, prefill.info, decode.info)
         if prefill is decode:
             metrics.ROUTED.labels("aggregated", prefill.worker_id).inc()
         else:

@@ -65,12 +65,19 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) 
 
 
 def wait_idle(router: InProcessRouter) -> None:
-    """Until the router sees every worker idle: equal loads."""
+    """Until the router sees every worker idle, in heartbeats sent after the requests so far
+    ended (an older one may show a request that has finished): equal loads."""
+    since = time.time()
 
     def idle() -> bool:
         pool = router.server.pool
-        prefill = all(v.queued_tokens == 0 for v in pool.views("prefill"))
-        return prefill and all(v.running_requests == 0 for v in pool.views("decode"))
+        prefill, decode = pool.views("prefill"), pool.views("decode")
+        fresh = all(v.info.updated_at > since for v in prefill + decode)
+        return (
+            fresh
+            and all(v.queued_tokens == 0 for v in prefill)
+            and (all(v.running_requests == 0 for v in decode))
+        )
 
     wait_for(idle, "every worker is idle")
 
