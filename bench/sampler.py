@@ -49,8 +49,9 @@ MODES = {
 
 
 def capture_last_step(llm: LLM, batch: int) -> tuple[torch.Tensor, list[Request], float]:
-    """Runs `batch` prompts; returns the last decode step's logits and requests, and the
-    median forward time of its decode steps (s)."""
+    """Runs `batch` prompts; returns the logits and requests of the last decode step with all
+    of them (prompts admitted in different steps end in different steps), and the median
+    forward time of the decode steps (s)."""
     captured: list[tuple[torch.Tensor, list[Request]]] = []
     forward_s: list[float] = []
     runner = llm.engine.runner
@@ -76,8 +77,7 @@ def capture_last_step(llm: LLM, batch: int) -> tuple[torch.Tensor, list[Request]
     finally:
         runner.forward = forward
         runner_module.sample = sample
-    logits, requests = captured[-1]
-    assert len(requests) == batch
+    logits, requests = [step for step in captured if len(step[1]) == batch][-1]
     return logits, requests, statistics.median(forward_s)
 
 

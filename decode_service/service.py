@@ -197,8 +197,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         step can run in between, so none is missed)."""
         if rid not in self.engine.requests:  # aborted after its KV landed
             raise CallerGoneError("the caller went away")
+        first_logprobs = None
+        if prefill.HasField("first_token_logprobs"):
+            first_logprobs = wire.token_logprobs(prefill.first_token_logprobs)
         first = self.engine.commit_remote_prefill(
-            rid, prefill.first_token_id, prefill.sampler_state
+            rid, prefill.first_token_id, prefill.sampler_state, first_logprobs
         )
         return first, None if first.finished else self.loop.open_stream(rid)
 

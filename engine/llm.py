@@ -55,6 +55,7 @@ class LLM:
                 text=r.text,
                 finish_reason=r.finish_reason,
                 num_cached_tokens=r.num_cached_tokens,
+                logprobs=None if r.params.logprobs is None else r.logprobs,
             )
             for r in requests
         ]

@@ -20,7 +20,7 @@ from engine.errors import (
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, ScheduledRequest
-from engine.request import FinishReason, Request, StepOutput
+from engine.request import FinishReason, Request, StepOutput, TokenLogprobs
 from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -200,12 +200,16 @@ class LLMEngine:
         return sum(1 for r in self.requests.values() if r.status == "awaiting_kv")
 
     def commit_remote_prefill(
-        self, request_id: str, first_token_id: int, sampler_state: bytes = b""
-    ) -> StepOutput:
+        self, request_id: str, first_token_id: int, sampler_state: bytes = b"",
+        first_logprobs: TokenLogprobs | None = None,
+    ) -> StepOutput:  # fmt: skip
         """The prompt's KV has landed: append the first token and join the decode batch.
         sampler_state (the sender's RNG state after sampling the first token) makes a seeded
-        request continue exactly as it would in one process."""
+        request continue exactly as it would in one process; first_logprobs are the first
+        token's, when the request asks for logprobs."""
         request = self.requests[request_id]
+        if first_logprobs is not None and request.params.logprobs is not None:
+            request.logprobs.append(first_logprobs)
         assert request.status == "awaiting_kv", request.status
         if sampler_state and request.generator is not None:
             state = torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8)
@@ -271,6 +275,7 @@ class LLMEngine:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            logprobs=tuple(request.logprobs[-1:]) if request.params.logprobs is not None else (),
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

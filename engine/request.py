@@ -35,6 +35,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     max_total_tokens: int  # the context limit: generation stops at it with reason "length"
     eos_token_id: int | None = None  # ends it (None with ignore_eos); min_tokens suppresses it
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
     status: RequestStatus = "waiting"
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
@@ -83,6 +84,16 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the most likely tokens at its position: the
+    model's log-softmax over the whole vocabulary in fp32, before any sampling option."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What the offline API returns for one prompt (the shape vLLM users know)."""
 
@@ -92,6 +103,7 @@ class RequestOutput:
     text: str
     finish_reason: FinishReason | None
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, with params.logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +117,4 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None
     stop_reason: StopReason = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # for new_token_ids, with params.logprobs

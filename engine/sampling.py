@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.request import Request
+from engine.request import Request, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output import apply_grammar_masks
 
@@ -39,7 +39,13 @@ def make_generator(params: SamplingParams, device: str) -> torch.Generator | Non
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """logits: [n, vocab] float32, row i for requests[i], which needs a next token (the
     sampler may edit them in place). The tokens come to the host once, in one copy at the end
-    (on CUDA, the step's only host sync)."""
+    (on CUDA, the step's only host sync without logprobs). A request that asks for logprobs
+    gets its token's appended to request.logprobs."""
+    logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    # Raw logprobs, before any stage edits the logits: [m, vocab], one op for the batch.
+    raw = None
+    if logprob_rows:
+        raw = torch.log_softmax(logits.index_select(0, _index(logprob_rows, logits.device)), -1)
     for stage in LOGITS_STAGES:
         stage(logits, requests)
     token_ids = logits.argmax(dim=-1)
@@ -48,7 +54,26 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         index = _index(rows, logits.device)
         drawn = _draw(logits.index_select(0, index), [requests[i] for i in rows])
         token_ids.index_copy_(0, index, drawn)
+    if raw is not None:
+        _record_logprobs(raw, token_ids, [requests[i] for i in logprob_rows], logprob_rows)
     return token_ids.tolist()
+
+
+def _record_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request], rows: list[int]
+) -> None:
+    """raw: [m, vocab] log-softmax of the rows that asked; token_ids: [n] the batch's picks."""
+    picked = token_ids.index_select(0, _index(rows, raw.device)).unsqueeze(1)  # [m, 1]
+    num_top = max(r.params.logprobs or 0 for r in requests)
+    top = raw.topk(num_top, dim=-1) if num_top else None
+    # Three device-to-host copies, for the whole batch.
+    picked_ids, picked_lp = picked.squeeze(1).tolist(), raw.gather(1, picked).squeeze(1).tolist()
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(requests)
+    top_lp = top.values.tolist() if top is not None else [[]] * len(requests)
+    for i, r in enumerate(requests):
+        k = r.params.logprobs or 0
+        pairs = tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
+        r.logprobs.append(TokenLogprobs(picked_ids[i], picked_lp[i], pairs))
 
 
 # ---- stages that change greedy picks too --------------------------------------------------------

@@ -12,6 +12,7 @@ from engine.errors import InvalidRequestError
 
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, as in OpenAI's API and vLLM
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's limit
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -44,6 +45,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides (positive) / multiplies logits of seen tokens
     min_tokens: int = 0  # EOS, stop token ids and stop strings cannot end it sooner
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to logit
+    # With a number k: each output token's logprob and the k most likely alternatives, raw (the
+    # model's log-softmax, before any option above changes the logits, as vLLM's default).
+    logprobs: int | None = None
     stop: Sequence[str] = field(default=())
     stop_token_ids: Sequence[int] = field(default=())
     ignore_eos: bool = False
@@ -75,6 +79,10 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
         self._check_logit_bias()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] (or unset), got {self.logprobs}"
+            )
 
     def _check_finite(self) -> None:
         names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

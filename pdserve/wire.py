@@ -11,7 +11,7 @@ import grpc
 
 from engine import EngineBusyError, InvalidRequestError, SamplingParams
 from engine.errors import EngineDiedError, EngineStoppedError
-from engine.request import StepOutput
+from engine.request import StepOutput, TokenLogprobs
 from engine.sampling_params import StructuredOutput
 from engine.stop import StopReason
 from pdserve.v1 import generation_pb2 as pb
@@ -59,15 +59,22 @@ def statuses(context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(status_of(e), str(e))
 
 
+_OPTIONAL_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logprobs",
+)  # fmt: skip
+
+
 def sampling_params(proto: pb.SamplingParams, **overrides: object) -> SamplingParams:
     """Proto3 `optional` fields: unset means the engine's default."""
     fields: dict[str, object] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in _OPTIONAL_FIELDS:
         if proto.HasField(name):
             fields[name] = getattr(proto, name)
     fields.update(
         stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
         ignore_eos=proto.ignore_eos, include_stop_str_in_output=proto.include_stop_str_in_output,
+        min_tokens=proto.min_tokens, logit_bias=dict(proto.logit_bias),
     )  # fmt: skip
     if proto.HasField("structured_output"):
         fields["structured_output"] = structured_output(proto.structured_output)
@@ -86,6 +93,13 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_tokens=params.min_tokens,
+        logit_bias=params.logit_bias,
+        logprobs=params.logprobs,
         structured_output=structured_output_proto(params.structured_output),
     )
 
@@ -117,7 +131,20 @@ def response(output: StepOutput) -> pb.GenerateResponse:
         finish_reason=output.finish_reason or "",
     )
     set_stop_reason(message, output.stop_reason)
+    message.logprobs.extend(logprobs_proto(lp) for lp in output.logprobs)
     return message
+
+
+def logprobs_proto(logprobs: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        sampled=pb.Logprob(token_id=logprobs.token_id, logprob=logprobs.logprob),
+        top=[pb.Logprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
+
+
+def token_logprobs(proto: pb.TokenLogprobs) -> TokenLogprobs:
+    top = tuple((lp.token_id, lp.logprob) for lp in proto.top)
+    return TokenLogprobs(proto.sampled.token_id, proto.sampled.logprob, top)
 
 
 def set_stop_reason(message: pb.GenerateResponse, reason: StopReason) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -58,8 +58,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self._check_destination(len(prompt), dest)
         remaining_s = context.time_remaining()
         deadline_s = time.monotonic() + (DEFAULT_TIMEOUT_S if remaining_s is None else remaining_s)
-        # The prefill engine samples only the first token; stop rules are the decode's job.
-        params = wire.sampling_params(request.params, max_tokens=1, ignore_eos=True)
+        # The prefill engine samples only the first token; stop rules are the decode's job,
+        # but the first token obeys min_tokens too (EOS and stop tokens suppressed).
+        asked = wire.sampling_params(request.params)
+        params = replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1))
         job = PrefillJob(rid, dest.agent_metadata, list(dest.block_ids), dest.num_cached_blocks)
         loop = self.runtime.loop
 
@@ -110,6 +112,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             compute_s=compute,
             transfer_s=transfer,
             sampler_state=job.sampler_state,
+            first_token_logprobs=(
+                wire.logprobs_proto(final.logprobs[0]) if final.logprobs else None
+            ),
         )
 
     def _check_destination(self, num_prompt_tokens: int, dest) -> None:

@@ -91,6 +91,10 @@ class Gateway:
         except ChatTemplateError as e:
             raise InvalidRequest(str(e), param="messages") from e
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text in logprobs: special tokens shown, as vLLM shows them."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     async def tokenize(
         self, text: str, param: str = "prompt", add_special_tokens: bool = True
     ) -> list[int]:
@@ -221,7 +225,10 @@ class Run:
         num_streamed = len(self.output_token_ids)
         params = job.params
         if num_streamed:
-            params = replace(params, max_tokens=params.max_tokens - num_streamed)
+            params = replace(
+                params, max_tokens=params.max_tokens - num_streamed,
+                min_tokens=max(0, params.min_tokens - num_streamed),
+            )  # fmt: skip
         request = wpb.DecodeRequest(
             request_id=ticket.request_id,
             prompt_token_ids=job.prompt_token_ids + self.output_token_ids,

@@ -57,6 +57,7 @@ class ResumedText:
             hit = self.output.add(token_id, self.params, self.eos_token_id)
             if hit is not None:
                 break
+        out.logprobs.extend(message.logprobs[: len(out.token_ids)])
         if hit is not None:
             out.finish_reason = "stop"
             wire.set_stop_reason(out, hit.reason)

@@ -46,6 +46,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             async for message in run.messages():
                 whole.token_ids.extend(message.token_ids)
+                whole.logprobs.extend(message.logprobs)
                 whole.text += message.text
                 whole.finish_reason = message.finish_reason
                 wire.set_stop_reason(whole, wire.stop_reason_of(message))

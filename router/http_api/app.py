@@ -22,7 +22,7 @@ from router.gateway import Gateway, Job
 from router.http_api import chat
 from router.http_api.body_limit import BodyLimit
 from router.http_api.info import REQUEST_MODELS, check_model, info_routes, pdserve_version
-from router.http_api.openai_format import Kind, Responder, error_body, error_json
+from router.http_api.openai_format import Kind, Logprobs, Responder, error_body, error_json
 from router.http_api.openapi import declare_request_bodies
 from router.http_api.request_id import RequestId, check_request_id
 from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
@@ -156,18 +156,24 @@ async def _respond(
     log.info("%s %s is request %s %s", request.url.path, client_id, job.ticket.request_id,
              body.who() or "")  # fmt: skip
     run = await until_disconnect(request, gateway.open(job))
-    responder = Responder(kind, client_id, gateway.settings.model)
+    logprobs = None
+    if job.params.logprobs is not None:
+        logprobs = Logprobs(kind, gateway.token_text, text_offset=len(echo))
+    responder = Responder(kind, client_id, gateway.settings.model, logprobs)
     if body.stream:  # from here on the status is 200; a later error goes in-band
         metrics.REQUESTS.labels(request.url.path, "200").inc()
         events = sse_events(run, responder, body.include_usage, body.continuous_usage, echo)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
-        text, finish_reason, stop_reason, usage = await until_disconnect(request, collect(run))
+        done = await until_disconnect(request, collect(run))
     finally:
         run.close()
     metrics.REQUESTS.labels(request.url.path, "200").inc()
-    return JSONResponse(responder.response(echo + text, finish_reason, stop_reason, usage))
+    lp_json = None if logprobs is None else logprobs.json(done.logprobs)
+    return JSONResponse(responder.response(
+        echo + done.text, done.finish_reason, done.stop_reason, done.usage, lp_json
+    ))  # fmt: skip
 
 
 def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,6 +39,50 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor for a token the model rules out
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """One request's OpenAI logprobs objects, run of tokens after run of tokens. token_text:
+    one token's text (special tokens included, a partial UTF-8 character as U+FFFD, as vLLM
+    shows them)."""
+
+    kind: Kind
+    token_text: Callable[[int], str]
+    text_offset: int = 0  # completions: where the next token's text starts in the text
+
+    def json(self, logprobs: Sequence[pb.TokenLogprobs]) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(lp) for lp in logprobs]}
+        tokens, offsets = [], []
+        for lp in logprobs:
+            offsets.append(self.text_offset)
+            tokens.append(self.token_text(lp.sampled.token_id))
+            self.text_offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_floor(lp.sampled.logprob) for lp in logprobs],
+            # The k most likely, and the sampled token when it is not among them (vLLM's).
+            "top_logprobs": [
+                {self.token_text(t.token_id): _floor(t.logprob) for t in [*lp.top, lp.sampled]}
+                for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, lp: pb.TokenLogprobs) -> dict[str, Any]:
+        return self._chat_token(lp.sampled) | {
+            "top_logprobs": [self._chat_token(t) for t in lp.top]
+        }
+
+    def _chat_token(self, lp: pb.Logprob) -> dict[str, Any]:
+        text = self.token_text(lp.token_id)
+        return {"token": text, "logprob": _floor(lp.logprob), "bytes": list(text.encode())}
+
+
+def _floor(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,23 +92,25 @@ class Responder:
     kind: Kind
     request_id: str
     model: str
+    logprobs: Logprobs | None = None  # when the request asks for them
     created: int = field(default_factory=lambda: int(time.time()))
 
     def response(
-        self, text: str, finish_reason: str, stop_reason: StopReason, usage: pb.Usage
-    ) -> dict[str, Any]:
+        self, text: str, finish_reason: str, stop_reason: StopReason, usage: pb.Usage,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """stop_reason is vLLM's: the stop string or token id that ended it (None for EOS)."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
         object_ = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._envelope(object_, [choice]) | {"usage": usage_json(usage)}
 
     def chunk(
         self, text: str, finish_reason: str | None, stop_reason: StopReason = None, *,
-        first: bool = False,
+        first: bool = False, logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         if self.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if first else {}
@@ -72,7 +119,7 @@ class Responder:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._envelope(self._chunk_object, [choice])
 
     def usage_chunk(self, usage: pb.Usage) -> dict[str, Any]:

@@ -27,18 +27,12 @@ _MISSING = object()
 # Sampling options the sampler does not have yet.
 SAMPLING = (
     Refused("n", "one choice per request: send n=1", (None, 1)),
-    Refused("presence_penalty", "no penalties in the sampler yet", (None, 0)),
-    Refused("frequency_penalty", "no penalties in the sampler yet", (None, 0)),
-    Refused("repetition_penalty", "no penalties in the sampler yet", (None, 1)),
-    Refused("min_p", "no min-p filter in the sampler yet", (None, 0)),
-    Refused("min_tokens", "no EOS suppression in the sampler yet", (None, 0)),
-    Refused("logit_bias", "no logit bias in the sampler yet", (None, {})),
     Refused("use_beam_search", "no beam search", (None, False)),
     Refused("length_penalty", "only beam search uses it", (None, 1)),
     Refused("allowed_token_ids", "no per-request token mask"),
     Refused("bad_words", "no per-request token mask", (None, [])),
     Refused("prompt_logprobs", "prompt logprobs are not computed"),
-    Refused("return_tokens_as_token_ids", "no logprobs yet", (None, False)),
+    Refused("return_tokens_as_token_ids", "logprobs name tokens by their text", (None, False)),
     Refused("return_token_ids", "responses carry text only", (None, False)),
     Refused("skip_special_tokens", "special tokens are always skipped", (None, True)),
     Refused("spaces_between_special_tokens", "special tokens are always skipped", (None, True)),
@@ -78,14 +72,11 @@ CHAT_TEMPLATE = Refused("chat_template", "only the model's own chat template")
 COMPLETION = (
     *SAMPLING, *SERVER, *STRUCTURED,
     Refused("best_of", "one sample per request", (None, 1)),
-    Refused("logprobs", "no logprobs yet"),
     Refused("suffix", "the model has no fill-in-the-middle template", (None, "")),
     Refused("prompt_embeds", "prompts are text or token ids"),
 )  # fmt: skip
 CHAT = (
     *SAMPLING, *SERVER, *STRUCTURED,
-    Refused("logprobs", "no logprobs yet", (None, False)),
-    Refused("top_logprobs", "no logprobs yet", (None, 0)),
     Refused("parallel_tool_calls", "tool calls are not parsed from the output", (None, True)),
     Refused("functions", "deprecated by OpenAI: send tools"),
     Refused("function_call", "deprecated by OpenAI: send tool_choice"),

@@ -137,6 +137,13 @@ class GenerationBody(StructuredFields):
     stop_token_ids: list[UInt32] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's sampling options; the engine validates their ranges (SamplingParams).
+    min_p: Finite | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
+    min_tokens: UInt32 | None = None
+    logit_bias: dict[UInt32, Finite] | None = None  # JSON keys are strings: "42" is token 42
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # keep the last k tokens
@@ -149,7 +156,9 @@ class GenerationBody(StructuredFields):
 
     def sampling_fields(self) -> dict[str, Any]:
         """Only what the client set: the engine's defaults apply to the rest."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                 "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "min_tokens", "logit_bias")  # fmt: skip
         fields = {name: value for name in names if (value := getattr(self, name)) is not None}
         return fields | {
             "ignore_eos": self.ignore_eos,
@@ -192,6 +201,11 @@ class CompletionBody(GenerationBody):
     refused = refused_fields.COMPLETION
     prompt: str | list[UInt32] | list[str] | list[list[UInt32]]
     echo: bool = False  # the prompt comes back in front of the completion
+    logprobs: UInt32 | None = None  # this many alternatives per token (the engine checks <= 20)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = GenerationBody.sampling_fields(self)
+        return fields if self.logprobs is None else fields | {"logprobs": self.logprobs}
 
     def single_prompt(self) -> str | list[int]:
         """One text or one token-id list (a batch of prompts would need n > 1 outputs)."""
@@ -274,11 +288,17 @@ class ChatBody(GenerationBody, ChatTemplateFields):
     refused = refused_fields.CHAT
     max_completion_tokens: int | None = None
     echo: bool = False  # a final assistant message comes back in front of the reply
+    logprobs: bool = False
+    top_logprobs: UInt32 | None = None  # alternatives per token, with logprobs
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = GenerationBody.sampling_fields(self)
         if self.max_completion_tokens is not None:  # the newer name wins, as in OpenAI's API
             fields["max_tokens"] = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
         return fields
 
 

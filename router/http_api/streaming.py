@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -60,12 +61,18 @@ async def sse_events(
         if echo:
             yield sse(responder.chunk(echo, None))
         usage = pb.Usage()
+        pending: list[pb.TokenLogprobs] = []  # tokens whose text is held back (stop strings)
         async for message in run.messages():
             if message.HasField("usage"):
                 usage = message.usage
+            pending.extend(message.logprobs)
             if message.text or message.finish_reason:
                 stop_reason = wire.stop_reason_of(message)
-                chunk = responder.chunk(message.text, message.finish_reason or None, stop_reason)
+                logprobs = None if responder.logprobs is None else responder.logprobs.json(pending)
+                pending = []
+                chunk = responder.chunk(
+                    message.text, message.finish_reason or None, stop_reason, logprobs=logprobs
+                )
                 if continuous_usage:
                     chunk["usage"] = usage_json(_usage_so_far(run, message))
                 yield sse(chunk)
@@ -86,14 +93,25 @@ def _usage_so_far(run: Run, message: pb.GenerateResponse) -> pb.Usage:
     return pb.Usage(prompt_tokens=num_prompt, completion_tokens=len(run.output_token_ids))
 
 
-async def collect(run: Run) -> tuple[str, str, StopReason, pb.Usage]:
-    """The whole completion: (text, finish reason, stop reason, usage)."""
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    finish_reason: str
+    stop_reason: StopReason
+    usage: pb.Usage
+    logprobs: list[pb.TokenLogprobs]  # one per token, when the request asks
+
+
+async def collect(run: Run) -> Completion:
+    """The whole completion."""
     pieces: list[str] = []
+    logprobs: list[pb.TokenLogprobs] = []
     finish_reason, stop_reason, usage = "", None, pb.Usage()
     async for message in run.messages():
         pieces.append(message.text)
+        logprobs.extend(message.logprobs)
         finish_reason = message.finish_reason or finish_reason
         stop_reason = wire.stop_reason_of(message)  # the last message's
         if message.HasField("usage"):
             usage = message.usage
-    return "".join(pieces), finish_reason, stop_reason, usage
+    return Completion("".join(pieces), finish_reason, stop_reason, usage, logprobs)

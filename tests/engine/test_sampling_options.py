@@ -160,3 +160,40 @@ def test_bad_sampling_options_are_refused(fields, message):
 def test_logit_bias_outside_the_vocabulary_is_refused(llm):
     with pytest.raises(InvalidRequestError, match=r"logit_bias token ids \[49152\] are outside"):
         llm.engine.make_request("bias", PROMPT, SamplingParams(logit_bias={49152: 1.0}))
+
+
+LOGPROB_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 1, 2, 3, 5, 8,"]
+
+
+def test_logprobs_are_the_models_raw_log_softmax(llm, hf_logits):
+    """Greedy and sampled rows in one batch: logprobs are HF's fp32 log-softmax (before the
+    temperature and penalties), the alternatives in order."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    sampled = SamplingParams(max_tokens=6, temperature=1.3, seed=5, ignore_eos=True, logprobs=3,
+                             repetition_penalty=1.3)  # fmt: skip
+    prompts = [*LOGPROB_PROMPTS, LOGPROB_PROMPTS[0]]
+    outputs = llm.generate(prompts, [greedy] * 3 + [sampled])
+    for prompt, out in zip(prompts, outputs, strict=True):
+        prompt_ids = llm.tokenizer.encode(prompt)
+        k = 3 if out is outputs[-1] else 5
+        reference = torch.log_softmax(hf_logits(prompt_ids + out.token_ids), dim=-1)
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        for i, lp in enumerate(out.logprobs):
+            row = reference[len(prompt_ids) - 1 + i]
+            assert abs(lp.logprob - row[lp.token_id].item()) < 1e-3
+            top = row.topk(k)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            assert (
+                max(abs(v - r) for (_, v), r in zip(lp.top, top.values.tolist(), strict=True))
+                < 1e-3
+            )
+            if out is not outputs[-1]:
+                assert lp.top[0][0] == lp.token_id  # greedy picks the most likely
+    assert outputs[0].token_ids != outputs[-1].token_ids  # the sampled row really sampled
+
+
+def test_without_logprobs_none_are_kept(llm):
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert out.logprobs is None
+    with pytest.raises(InvalidRequestError, match=r"logprobs must be in \[0, 20\]"):
+        SamplingParams(logprobs=21)

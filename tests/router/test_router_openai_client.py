@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import openai
 import pytest
 from openai import OpenAI
 from router_harness import MODEL, one_torch_thread
@@ -19,6 +20,29 @@ CASES = {
     "seeded-sampling": (
         {"max_tokens": 16, "temperature": 0.8, "seed": 7, "top_p": 0.9},
         SamplingParams(max_tokens=16, temperature=0.8, seed=7, top_p=0.9),
+    ),
+    "penalties": (
+        {
+            "max_tokens": 12,
+            "temperature": 0,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "logit_bias": {"11": 2.5},
+            "extra_body": {"repetition_penalty": 1.2, "min_tokens": 6},
+        },
+        SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            logit_bias={11: 2.5},
+            repetition_penalty=1.2,
+            min_tokens=6,
+        ),
+    ),  # fmt: skip
+    "seeded-min-p": (
+        {"max_tokens": 16, "temperature": 1.0, "seed": 11, "extra_body": {"min_p": 0.1}},
+        SamplingParams(max_tokens=16, temperature=1.0, seed=11, min_p=0.1),
     ),
     "stop-string": (
         {"max_tokens": 40, "temperature": 0, "stop": ["\n"]},
@@ -71,7 +95,7 @@ def test_completions(client, expected, case):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["greedy", "seeded-sampling"])
+@pytest.mark.parametrize("case", ["greedy", "seeded-sampling", "penalties"])
 def test_completions_streamed(client, expected, case):
     want = expected[case]
     chunks = list(client.completions.create(
@@ -121,3 +145,17 @@ def test_prompt_as_token_ids(client, expected, llm):
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {"49152": 1}}, "logit_bias token ids [49152] are outside [0, 49152)"),
+        ({"logit_bias": {"5": 101}}, "logit_bias for token 5 must be in [-100, 100], got 101.0"),
+        ({"presence_penalty": -2.5}, "presence_penalty must be in [-2, 2], got -2.5"),
+    ],
+)
+def test_bad_sampling_options_get_a_400(client, fields, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **fields)
+    assert refused.value.body["message"] == message
