@@ -18,9 +18,11 @@ from engine.structured_output import apply_grammar_masks
 LogitsStage = Callable[[torch.Tensor, Sequence[Request]], None]
 
 # Top-p looks for its cut among each row's most likely tokens first: on a CPU a top-k of this
-# width costs a small fraction of a full-vocabulary sort. A row whose nucleus is wider is sorted
-# in full, so the result never depends on the width (nor, therefore, on the batch).
+# width costs a small fraction of a full-vocabulary sort. A row whose nucleus is wider goes
+# again with WIDENING x as many, up to a full sort, so the result never depends on the width
+# (nor, therefore, on the batch).
 TOP_P_CANDIDATES = 256
+WIDENING = 16
 
 
 def make_generator(params: SamplingParams, device: str) -> torch.Generator | None:
@@ -173,14 +175,23 @@ def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         width = vocab  # a full sort is cheap there, and the width check would sync the host
     else:
         width = min(vocab, max([TOP_P_CANDIDATES, *(k for k in top_k if k < vocab)]))
+    return _truncate_widening(logits, top_k, top_p, width)
+
+
+def _truncate_widening(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], width: int
+) -> torch.Tensor:
+    """_truncate from `width` candidates; rows whose nucleus is wider go again with 16x as
+    many, up to the whole (sorted) vocabulary."""
+    vocab = logits.shape[1]
     masked, covered = _truncate(logits, top_k, top_p, width)
     if width < vocab:
         wide = (~covered).nonzero().squeeze(1)
-        if wide.numel():  # nuclei wider than the candidates: those rows again, sorted in full
+        if wide.numel():
             rows = wide.tolist()
-            redone, _ = _truncate(
+            redone = _truncate_widening(
                 logits.index_select(0, wide), [top_k[i] for i in rows], [top_p[i] for i in rows],
-                vocab,
+                min(vocab, width * WIDENING),
             )  # fmt: skip
             masked.index_copy_(0, wide, redone)
     return masked
