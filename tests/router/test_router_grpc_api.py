@@ -70,3 +70,21 @@ def test_health_and_reflection(channel):
         "pdserve.v1.Generation", "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }  # fmt: skip
+
+
+def test_complete_carries_sampling_options_and_logprobs(channel, llm):
+    """vLLM's options cross the gRPC API; each token comes with its logprobs (the first one's
+    from the prefill worker), as the single-process engine computes them."""
+    fields = dict(max_tokens=6, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                  presence_penalty=0.5, min_tokens=2, logprobs=2)  # fmt: skip
+    params = pb.SamplingParams(**fields, logit_bias={11: 1.5})
+    response = generation_pb2_grpc.GenerationStub(channel).Complete(
+        pb.GenerateRequest(text=PROMPT, params=params), timeout=120
+    )
+    with one_torch_thread():
+        want = llm.generate([PROMPT], SamplingParams(**fields, logit_bias={11: 1.5}))[0]
+    assert list(response.token_ids) == want.token_ids
+    assert [lp.sampled.token_id for lp in response.logprobs] == want.token_ids
+    for got, expected in zip(response.logprobs, want.logprobs, strict=True):
+        assert abs(got.sampled.logprob - expected.logprob) < 1e-4
+        assert [t.token_id for t in got.top] == [t for t, _ in expected.top]
