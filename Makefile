@@ -44,6 +44,7 @@ bench: setup proto
 	$(PY) bench/kvtransfer.py
 	$(PY) bench/serve.py
 	$(PY) -m bench.structured_output
+	$(PY) -m bench.prefix --quick
 
 clean:
 	rm -rf $(VENV) .venv-tools proto/gen

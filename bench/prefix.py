@@ -16,37 +16,26 @@ can beat without moving KV between workers: `oracle_prefill_tokens`, each turn c
 what its conversation's previous turn (or the shared system prompt) did not already cover,
 in whole blocks, as if no cache ever evicted. The last line of stdout
 is JSON with the ratios kv_aware / load_only: prefill_tokens_ratio, ttft_p50_ratio,
-ttft_p99_ratio.
+ttft_p99_ratio. Run from the repository root: python -m bench.prefix [--quick].
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import httpx
+import redis
 
-import httpx  # noqa: E402
-import redis  # noqa: E402
-
-from engine.model_files import resolve_model  # noqa: E402
-from engine.tokenizer import TextTokenizer  # noqa: E402
-from pdserve.kv_events import STREAM_PREFIX, CacheUpdate  # noqa: E402
-from pdserve.launcher import ClusterSpec, LocalCluster  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("bench_serve", _HERE / "serve.py")
-assert _spec is not None and _spec.loader is not None
-serve = sys.modules["bench_serve"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(serve)
+from bench.serve import percentile, word_ids
+from engine.model_files import resolve_model
+from engine.tokenizer import TextTokenizer
+from pdserve.kv_events import STREAM_PREFIX, CacheUpdate
+from pdserve.launcher import ClusterSpec, LocalCluster
 
 MODES = {
     "load_only": ("--prefix-prefill-weight", "0", "--prefix-decode-weight", "0"),
@@ -208,9 +197,9 @@ def summarize(results: list[dict], wall_s: float) -> dict[str, Any]:
         "prompt_tokens": num_prompt,
         "prefix_hit_rate": round(num_cached / max(1, num_prompt), 4),
         "prefill_tokens_computed": num_prompt - num_cached,
-        "ttft_p50_s": _round(serve.percentile(ttfts, 50)),
-        "ttft_p99_s": _round(serve.percentile(ttfts, 99)),
-        "ttft_p50_later_turns_s": _round(serve.percentile(later, 50)),
+        "ttft_p50_s": _round(percentile(ttfts, 50)),
+        "ttft_p99_s": _round(percentile(ttfts, 99)),
+        "ttft_p50_later_turns_s": _round(percentile(later, 50)),
         "replies": {(r["conversation"], r["turn"]): r["reply"] for r in results},
     }
 
@@ -247,7 +236,7 @@ def main() -> None:
     args = parse_args()
     started = time.monotonic()
     tokenizer = TextTokenizer.load(resolve_model("smollm2-135m"))
-    words = [tokenizer.decode([i]) for i in serve.word_ids(tokenizer)]
+    words = [tokenizer.decode([i]) for i in word_ids(tokenizer)]
     system, users = workload(args, words)
     results = {mode: run_mode(mode, args, system, users) for mode in MODES}
     replies = results["kv_aware"].pop("replies")  # greedy: the same in both modes
