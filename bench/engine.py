@@ -12,9 +12,10 @@ Prints tables, then one JSON line (the last line of stdout):
  "roof_gflops": {dtype: x}, "prefill_gflops": {...}, "prefill_fraction_of_roof": {...},
  "targets": {name: {"value": x, "target": y, "met": bool}}, "setup": {...},
  "decode_int8_vs_hf_fp32": {"1": r, "32": r}, "decode_int8_tokens_per_s": {...},
+ "decode_int4_vs_hf_fp32": {"1": r, "32": r}, "decode_int4_tokens_per_s": {...},
  "kv_bytes_per_token": {"float32": n, "bfloat16": n, "int8": n}, "read_bandwidth_gb_s": x,
- "decode_b1_fraction_of_bandwidth_bound": {"float32": {...}, "int8": {...}}}
---decode-only skips prefill; --no-int8 skips the int8-weight points.
+ "decode_b1_fraction_of_bandwidth_bound": {"float32": {...}, "int8": {...}, "int4": {...}}}
+--decode-only skips prefill; --no-int8 / --no-int4 skip the int8- / int4-weight points.
 
 How each number is made. Both systems run in the same process, one after the other, alternating
 which goes first, so that load from other processes hits them alike; each number is the best
@@ -62,6 +63,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
+from engine.quantization import INT4_GROUP  # noqa: E402
 
 MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16")
@@ -90,7 +92,8 @@ LONG_PROMPTS = (512, 1024, 2048)
 # Issue 12's decode targets: fp32 at batch 1 vs HF, int8 weights at batch 1 vs HF fp32.
 TARGET_FP32_DECODE_B1_SPEEDUP = 2.0
 TARGET_INT8_DECODE_B1_SPEEDUP = 4.0
-INT8_DECODE_BATCHES = (1, 32)
+INT8_DECODE_BATCHES = (1, 32)  # the int4 points too
+QUANTIZED = ("int8", "int4")  # weight quantizations benchmarked against HF fp32
 BANDWIDTH_BYTES = 512 * 2**20  # well past the last-level cache: every read comes from DRAM
 BANDWIDTH_REPEATS = 5
 KV_SCALE_BYTES = 4  # an int8 KV cache: one float32 scale per token, layer, K/V and KV head
@@ -140,11 +143,15 @@ class FlopModel:
 
     def decode_weight_bytes(self, quantization: str) -> int:
         """Weight bytes one decode step reads: every layer's matmuls and the lm_head (fp32,
-        or int8 layers with one bf16 scale per output row and the lm_head in fp32)."""
+        or int8 layers with one bf16 scale per output row, or int4 layers with a bf16 scale and
+        zero per group of 32; the lm_head in fp32)."""
         layers = self.num_layers * self.layer_matmul_params
+        head = 4 * self.lm_head_params
         if quantization == "int8":
-            return layers + 2 * self.num_layers * self.layer_matmul_rows + 4 * self.lm_head_params
-        return 4 * (layers + self.lm_head_params)
+            return layers + 2 * self.num_layers * self.layer_matmul_rows + head
+        if quantization == "int4":
+            return layers // 2 + 2 * 2 * layers // INT4_GROUP + head
+        return 4 * layers + head
 
     def gflop_per_token(self) -> float:
         """Matmul cost of one token with its own logits (attention excluded)."""
@@ -368,15 +375,15 @@ def bench_decode(
     return results
 
 
-def bench_int8_decode(
-    systems: Systems, args: argparse.Namespace, num_blocks: int, vocab: int
+def bench_quantized_decode(
+    systems: Systems, args: argparse.Namespace, num_blocks: int, vocab: int, quantization: str
 ) -> dict[int, tuple[float, float]]:
-    """Int8-weight engine decode vs HF fp32, interleaved like the other points."""
+    """Quantized-weight (int8 or int4) engine decode vs HF fp32, interleaved like the others."""
     fp32_llm = systems.llm
-    systems.llm = make_llm("float32", args.threads, num_blocks, quantization="int8")
+    systems.llm = make_llm("float32", args.threads, num_blocks, quantization=quantization)
     try:
         systems.engine_decode_s(random_prompts(1, DECODE_PROMPT_TOKENS, vocab, seed=7), 3)
-        print("  int8 weights:", flush=True)
+        print(f"  {quantization} weights:", flush=True)
         return bench_decode(
             systems, list(INT8_DECODE_BATCHES), args.new_tokens, args.repeats, args.budget_s, vocab
         )
@@ -385,21 +392,28 @@ def bench_int8_decode(
 
 
 def add_issue12_keys(
-    summary: dict, decode: dict, int8: dict, flops: FlopModel, bandwidth: float
+    summary: dict, decode: dict, quantized: dict[str, dict], flops: FlopModel, bandwidth: float
 ) -> None:
-    """Int8-weight decode vs HF fp32, KV bytes per token, and batch 1 against the bandwidth
-    bound (weight bytes per step / read bandwidth); "int8" is a quantization, not a dtype, so it
-    stays out of the per-dtype keys."""
-    summary["decode_int8_vs_hf_fp32"] = {str(b): round(e / h, 3) for b, (e, h) in int8.items()}
-    summary["decode_int8_tokens_per_s"] = {
-        str(b): {"engine_int8": round(e, 3), "hf_fp32": round(h, 3)} for b, (e, h) in int8.items()
-    }
+    """Int8- and int4-weight decode vs HF fp32, KV bytes per token, and batch 1 against the
+    bandwidth bound (weight bytes per step / read bandwidth); "int8" and "int4" are
+    quantizations, not dtypes, so they stay out of the per-dtype keys."""
+    for name in QUANTIZED:
+        points = quantized.get(name, {})
+        summary[f"decode_{name}_vs_hf_fp32"] = {
+            str(b): round(e / h, 3) for b, (e, h) in points.items()
+        }
+        summary[f"decode_{name}_tokens_per_s"] = {
+            str(b): {f"engine_{name}": round(e, 3), "hf_fp32": round(h, 3)}
+            for b, (e, h) in points.items()
+        }
     summary["kv_bytes_per_token"] = flops.kv_bytes_per_token()
     summary["read_bandwidth_gb_s"] = round(bandwidth, 2)
     fraction = {}
-    for name, tps in (("float32", decode.get("float32", {}).get(1)), ("int8", int8.get(1))):
+    batch1 = {"float32": decode.get("float32", {}).get(1)}
+    batch1.update({name: quantized.get(name, {}).get(1) for name in QUANTIZED})
+    for name, tps in batch1.items():
         if tps is not None:
-            bound = bandwidth * 1e9 / flops.decode_weight_bytes("int8" if name == "int8" else "")
+            bound = bandwidth * 1e9 / flops.decode_weight_bytes(name)
             fraction[name] = {"tokens_per_s": round(tps[0], 2), "bound": round(bound, 1),
                               "fraction": round(tps[0] / bound, 3)}  # fmt: skip
     summary["decode_b1_fraction_of_bandwidth_bound"] = fraction
@@ -596,12 +610,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-only", action="store_true", help="no prefill points")
-    parser.add_argument(
-        "--no-int8",
-        dest="int8",
-        action="store_false",
-        help=f"skip the int8-weight decode points (batches {INT8_DECODE_BATCHES}, with float32)",
-    )
+    for name in QUANTIZED:
+        parser.add_argument(
+            f"--no-{name}",
+            dest=name,
+            action="store_false",
+            help=f"skip the {name}-weight decode points (batches {INT8_DECODE_BATCHES}, float32)",
+        )
     parser.add_argument(
         "--profile", action="store_true", help="profile the engine instead of benchmarking"
     )
@@ -648,6 +663,7 @@ def main() -> None:
         flush=True,
     )
     roof, prefill, decode = {}, {}, {}
+    quantized: dict[str, dict[int, tuple[float, float]]] = {}
     bandwidth = measure_read_bandwidth()  # sampled first and last, the best kept
     print(f"read bandwidth {bandwidth:.1f} GB/s", flush=True)
     for dtype in args.dtypes:
@@ -669,8 +685,9 @@ def main() -> None:
         decode[dtype] = bench_decode(
             systems, args.decode_batches, args.new_tokens, args.repeats, args.budget_s, vocab
         )
-        if dtype == "float32" and args.int8:
-            decode["int8"] = bench_int8_decode(systems, args, num_blocks, vocab)
+        for name in QUANTIZED if dtype == "float32" else ():
+            if getattr(args, name):
+                quantized[name] = bench_quantized_decode(systems, args, num_blocks, vocab, name)
         del systems
         gc.collect()
         roof[dtype] = max(roof[dtype], measure_roof(getattr(torch, dtype), roof_repeats))
@@ -690,9 +707,8 @@ def main() -> None:
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     bandwidth = max(bandwidth, measure_read_bandwidth())
-    int8 = decode.pop("int8", {})
     summary = summarize(roof, prefill, decode, flops, setup)
-    add_issue12_keys(summary, decode, int8, flops, bandwidth)
+    add_issue12_keys(summary, decode, quantized, flops, bandwidth)
     print_tables(summary)
     summary["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     print(f"({summary['setup']['seconds']} s, load average {summary['setup']['load_average']})")

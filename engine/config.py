@@ -117,8 +117,9 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     # Decode steps replay CUDA graphs (CUDA only; on the CPU this setting does nothing).
     cuda_graphs: bool = True
-    # "int8": weight-only int8 linear layers (engine.quantization; docs/engine.md has what it
-    # costs in quality and buys in speed). "none" keeps the weights in dtype.
+    # "int8" / "int4": weight-only int8 / group-wise int4 linear layers (engine.quantization;
+    # docs/engine.md has what each costs in quality and buys in speed; int4 is CPU-only).
+    # "none" keeps the weights in dtype.
     quantization: str = "none"
 
     def __post_init__(self) -> None:
@@ -131,10 +132,14 @@ class EngineConfig:
                 "attention_backend must be auto, sdpa, flashinfer or flash_attn, got "
                 f"{self.attention_backend!r}"
             )
-        if self.quantization not in ("none", "int8"):
+        if self.quantization not in ("none", "int8", "int4"):
             raise InvalidRequestError(
-                f"quantization must be none or int8, got {self.quantization!r}"
+                f"quantization must be none, int8 or int4, got {self.quantization!r}"
             )
+        if self.quantization == "int4" and device != "cpu":
+            # torch's CUDA int4 kernel (_weight_int4pack_mm) packs differently and has not been
+            # run here (no GPU on the machines this was built on): refused, not guessed.
+            raise InvalidRequestError(f"quantization int4 runs on the CPU only, not {device}")
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequestError(
                 f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {self.chunk_size}"

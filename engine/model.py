@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from engine.config import ModelConfig
-from engine.quantization import Int8Weight, Quantization, linear, quantize_int8, weight_tensors
+from engine.quantization import Quantization, QuantizedWeight, linear, quantize, weight_tensors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,12 +63,12 @@ class DecoderLayer:
         self.input_norm = w.pop(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = w.pop(f"{prefix}.post_attention_layernorm.weight")
 
-    def quantize_int8(self) -> None:
-        """Every linear weight of the layer to int8 (engine.quantization); norms stay."""
-        self.qkv_weight = quantize_int8(self.qkv_weight)
-        self.o_weight = quantize_int8(self.o_weight)
-        self.gate_up_weight = quantize_int8(self.gate_up_weight)
-        self.down_weight = quantize_int8(self.down_weight)
+    def quantize(self, quantization: Quantization) -> None:
+        """Every linear weight of the layer to int8 or int4 (engine.quantization); norms stay."""
+        self.qkv_weight = quantize(self.qkv_weight, quantization)
+        self.o_weight = quantize(self.o_weight, quantization)
+        self.gate_up_weight = quantize(self.gate_up_weight, quantization)
+        self.down_weight = quantize(self.down_weight, quantization)
 
     def tensors(self) -> list[torch.Tensor]:
         linears = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
@@ -106,23 +106,23 @@ class LlamaModel:
         device: torch.device, quantization: Quantization = "none", quantize_lm_head: bool = False,
     ) -> None:  # fmt: skip
         """weights: Hugging Face names -> tensors already in dtype on device (engine.loader);
-        the dict is consumed. quantization int8: the layers' linear weights (and the lm_head
-        where quantize_lm_head is on) to int8; the embedding table stays in dtype."""
+        the dict is consumed. quantization int8 / int4: the layers' linear weights (and the lm_head
+        where quantize_lm_head is on) to that scheme; the embedding table stays in dtype."""
         self.cfg = cfg
         w = weights
         self.embed = w.pop("model.embed_tokens.weight")
-        self.lm_head: torch.Tensor | Int8Weight = (
+        self.lm_head: torch.Tensor | QuantizedWeight = (
             self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
         )
         w.pop("lm_head.weight", None)  # a tied checkpoint may still carry its copy
         self.final_norm = w.pop("model.norm.weight")
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg, dtype, device)
-        if quantization == "int8":
+        if quantization != "none":
             for layer in self.layers:
-                layer.quantize_int8()
+                layer.quantize(quantization)
             if quantize_lm_head:
-                self.lm_head = quantize_int8(self.lm_head)
+                self.lm_head = quantize(self.lm_head, quantization)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight and table the forward pass reads (to check where they live)."""

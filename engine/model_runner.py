@@ -118,9 +118,9 @@ class ModelRunner:
         devices = {str(t.device) for t in self.model.tensors()}
         assert len(devices) == 1, f"weights are spread over {sorted(devices)}"
         (weight_device,) = devices
-        # int8 weights come with scales in another dtype: the label names the scheme.
-        int8 = self.config.quantization == "int8"
-        weight_dtype = "int8" if int8 else _dtype_name(self.model.embed)
+        # Quantized weights come with scales in another dtype: the label names the scheme.
+        quantized = self.config.quantization != "none"
+        weight_dtype = self.config.quantization if quantized else _dtype_name(self.model.embed)
         kv_dtype = _dtype_name(self.kv_cache)
         ENGINE_TENSORS.labels(weight_device, weight_dtype, "weights").set(1)
         ENGINE_TENSORS.labels(str(self.kv_cache.device), kv_dtype, "kv_cache").set(1)

@@ -1,6 +1,6 @@
-"""Weight-only int8 quantization of the decoder's linear layers (--quantization int8).
+"""Weight-only quantization of the decoder's linear layers (--quantization int8 | int4).
 
-Each weight [N, K] becomes int8 values and one symmetric scale per output channel (row):
+int8: each weight [N, K] becomes int8 values and one symmetric scale per output channel (row):
 w ~= q * scale, q in [-127, 127]. The matmul is torch's maintained CPU/CUDA kernel
 torch._weight_int8pack_mm(x, q, scales), which dequantizes inside the kernel: decode at small
 batch is bound by reading the weights, and int8 reads a quarter of fp32's bytes.
@@ -11,6 +11,16 @@ input is cast down and its output cast back to the model's dtype, so the rest of
 (norms, RoPE, attention, the residual stream) keeps its precision. Each row of a batch is
 computed independently of the others (no per-batch activation scale), so a request's tokens do
 not depend on what it is batched with.
+
+int4: groups of 32 consecutive input columns share a scale and a zero, w ~= scale * q + min with
+q in [0, 15] (asymmetric min/max). That is the GGUF's own Q4_1 format, and llama.cpp's Q4_1 blocks
+each reach q = 0 and q = 15 (every block of the bundled model does), so min/max recovers their
+codes exactly (tests/engine/test_quantization.py checks against the raw GGUF blocks). The matmul
+is torch's CPU kernel torch._weight_int4pack_mm_for_cpu, which computes
+w = (q - 8) * scale + zero per group, with scales_and_zeros [K / 32, N, 2] in the activation
+dtype: bfloat16, like int8 (its float32 and float16 paths are scalar, 20-50x slower), so the
+GGUF's float16 scales are rounded to bfloat16. It runs every step, prefill too: dequantizing
+measured no faster at 128-512 rows (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -21,9 +31,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-Quantization = Literal["none", "int8"]
-QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8")
+Quantization = Literal["none", "int8", "int4"]
+QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4")
 INT8_MAX = 127
+INT4_MAX = 15
+INT4_GROUP = 32
+# The kernel's zero is the weight at q = 8 (the middle of 0..15), not at q = 0.
+INT4_MIDDLE = 8
+# torch's int4 pack needs the output dimension in multiples of 16.
+INT4_ROWS_MULTIPLE = 16
 # Steps of at most this many rows (decode batches) run the int8 kernel; larger ones (prefill
 # chunks) dequantize the weight and run one float matmul (measured: docs/engine.md).
 KERNEL_MAX_ROWS = 64
@@ -40,9 +56,36 @@ class Int8Weight:
     def tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scales]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] @ weight.T in the model's dtype."""
+        if x2.shape[0] > KERNEL_MAX_ROWS:
+            # A prefill chunk is compute-bound: the int8 kernel is slower there than one matmul
+            # of the dequantized weight (whose cost is amortized over the rows), and the rows
+            # keep the model's precision.
+            dequantized = self.qweight.to(self.out_dtype) * self.scales.to(self.out_dtype)[:, None]
+            return F.linear(x2, dequantized)
+        y = torch._weight_int8pack_mm(x2.to(self.scales.dtype), self.qweight, self.scales)
+        return y.to(self.out_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A linear layer's weight as torch's packed int4 codes and per-group scales and zeros."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2], torch._convert_weight_to_int4pack_for_cpu's layout
+    scales_and_zeros: torch.Tensor  # [K / 32, N, 2], in the kernel's activation dtype
+    out_dtype: torch.dtype
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_and_zeros]
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        x2 = x2.to(self.scales_and_zeros.dtype).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return y.to(self.out_dtype)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -66,27 +109,56 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q.contiguous(), scales, weight.dtype)
 
 
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max 4-bit codes of a [N, K] weight: q int32 [N, K] in [0, 15], and float32 scale
+    and min [N, K / 32] with w ~= scale * q + min (Q4_1's d, m and q for a GGUF's weights)."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = torch.where(high > low, (high - low) / INT4_MAX, torch.ones_like(low))
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, INT4_MAX)
+    return q.view(n, k).to(torch.int32), scale, low
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """Group-wise asymmetric 4-bit: per group of 32 inputs, scale = (max - min) / 15 and
+    q = round((w - min) / scale), so min and max are on the grid (a group of equal values gets
+    scale 1). Refuses shapes torch's kernel cannot pack."""
+    n, k = weight.shape
+    if k % INT4_GROUP or n % INT4_ROWS_MULTIPLE:
+        raise ValueError(
+            f"int4 needs input dims in multiples of {INT4_GROUP} and output dims in multiples "
+            f"of {INT4_ROWS_MULTIPLE}, got a {n}x{k} weight"
+        )
+    if weight.device.type != "cpu":
+        raise ValueError(f"int4 runs torch's CPU kernel only, the weight is on {weight.device}")
+    q, scale, low = int4_groups(weight)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    zero = low + INT4_MIDDLE * scale  # w = scale * q + low = scale * (q - 8) + zero
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return Int4Weight(packed, scales_and_zeros.to(kernel_dtype(weight.dtype)), weight.dtype)
+
+
+def quantize(weight: torch.Tensor, quantization: Quantization) -> torch.Tensor | QuantizedWeight:
+    """The weight in this scheme ("none" returns it as it is)."""
+    if quantization == "int8":
+        return quantize_int8(weight)
+    if quantization == "int4":
+        return quantize_int4(weight)
+    return weight
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """F.linear for a plain weight; the int8 kernel for a quantized one."""
+    """F.linear for a plain weight; the quantized scheme's kernel for a quantized one."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    if rows > KERNEL_MAX_ROWS:
-        # A prefill chunk is compute-bound: the int8 kernel is slower there than one matmul
-        # of the dequantized weight (whose cost is amortized over the rows), and the rows
-        # keep the model's precision.
-        dequantized = (
-            weight.qweight.to(weight.out_dtype) * weight.scales.to(weight.out_dtype)[:, None]
-        )
-        return F.linear(x, dequantized, bias)
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).to(weight.scales.dtype)
-    y = torch._weight_int8pack_mm(x2, weight.qweight, weight.scales).to(weight.out_dtype)
+    y = weight.matmul(x.reshape(-1, shape[-1]))
     y = y.view(*shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 
 
-def weight_tensors(weight: torch.Tensor | Int8Weight) -> list[torch.Tensor]:
+def weight_tensors(weight: torch.Tensor | QuantizedWeight) -> list[torch.Tensor]:
     return [weight] if isinstance(weight, torch.Tensor) else weight.tensors()

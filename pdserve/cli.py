@@ -83,7 +83,7 @@ Quantization = Annotated[
     str,
     typer.Option(
         envvar="PDSERVE_QUANTIZATION",
-        help="none | int8 (weight-only int8 linear layers; docs/engine.md).",
+        help="none | int8 | int4 (weight-only int8 / group-wise int4 linears; int4 CPU-only).",
     ),
 ]
 TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
