@@ -84,6 +84,7 @@ class FlashAttnBackend(AttentionBackend):
 
     def forward(self, q, layer_cache, plan, new_k, new_v):
         k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]  # [num_blocks, bs, Hkv, D]
+        q = q.contiguous()  # a view of the fused q|k RoPE output (engine/model.py)
         if isinstance(plan, _DecodePlan):
             out = self._with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=plan.cache_seqlens,

@@ -140,7 +140,8 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q, layer_cache, plan, new_k, new_v):
         # layer_cache [num_blocks, 2, bs, Hkv, D] is FlashInfer's NHD single-tensor format; its
         # page stride (num_layers pages) is passed to the kernel as a stride, no copy.
-        return plan.wrapper.run(q, layer_cache)
+        # q arrives as a view of the fused q|k RoPE output (engine/model.py): made dense here.
+        return plan.wrapper.run(q.contiguous(), layer_cache)
 
     # ---- CUDA graphs: one decode wrapper per captured batch size, on fixed buffers
 

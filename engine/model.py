@@ -11,10 +11,10 @@ from engine.quantization import Quantization, QuantizedWeight, linear, quantize,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same arithmetic as Hugging Face's LlamaRMSNorm (in fp32, cast back), for token-exact output.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # Hugging Face's LlamaRMSNorm (normalize in fp32, cast back, then scale) in one fused op
+    # instead of five; bit-identical to HF's in fp32 (tests/engine/test_hf_parity.py).
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding:
@@ -88,10 +88,10 @@ class DecoderLayer:
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), *rope)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), *rope)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        # q and k heads side by side: one RoPE over both (5 ops a layer instead of 10).
+        qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, cfg.head_dim))
+        q, k = apply_rope(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         write_kv(layer_cache, meta, k, v)
         o = attention.forward(q, layer_cache, meta.plan, k, v)
         x = x + linear(o.flatten(1), self.o_weight)

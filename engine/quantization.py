@@ -153,11 +153,34 @@ def linear(
 ) -> torch.Tensor:
     """F.linear for a plain weight; the quantized scheme's kernel for a quantized one."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
+        rows = x.numel() // x.shape[-1]
+        if rows > KERNEL_MAX_ROWS or x.device.type != "cpu":
+            return F.linear(x, weight, bias)
+        return _small_linear(x, weight, bias, rows)
     shape = x.shape
     y = weight.matmul(x.reshape(-1, shape[-1]))
     y = y.view(*shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
+
+
+def _small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """A decode step's linear on the CPU as weight @ x^T. For a few rows MKL's x @ weight^T
+    (what F.linear runs) takes a slow path: measured on this machine over the model's weights,
+    2 rows 84-218 ms vs 18-40, 4 rows 81-935 vs 26-36, 32 rows 96 vs 88-93 (docs/engine.md).
+    One row goes to gemv either way, which reads the weights at half the speed of a 2-column
+    GEMM; padding it to two rows pays on one thread only: a 2-thread GEMM joins its threads on
+    every call, and on cores other processes hold that join measured 8.3 s a step vs 0.5."""
+    if rows == 1 and torch.get_num_threads() > 1:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        x2 = F.pad(x2, (0, 0, 0, 1))
+    y = torch.mm(weight, x2.t()).t()[:rows]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def weight_tensors(weight: torch.Tensor | QuantizedWeight) -> list[torch.Tensor]:
