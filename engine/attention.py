@@ -6,6 +6,8 @@ one contiguous byte range, which is what the KV transfer moves):
     kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 A layer's view kv_cache[:, i] is [num_blocks, 2, block_size, num_kv_heads, head_dim] with a page
 stride of num_layers pages: the paged kernels (FlashInfer, flash-attn) read it in place.
+An int8 cache (--kv-cache-dtype int8) has rows of head_dim + 4 bytes, values then their scale
+(engine/kv_quant.py); only SDPA reads it, dequantizing what it gathers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from engine import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ class AttentionSpec:
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    kv_quantized: bool = False  # an int8 cache of packed rows (engine/kv_quant.py)
 
     @property
     def group_size(self) -> int:
@@ -103,6 +108,8 @@ def require_cuda_half(spec: AttentionSpec) -> None:
         raise BackendUnusableError(f"needs a CUDA device, not {spec.device}")
     if spec.dtype not in (torch.bfloat16, torch.float16):
         raise BackendUnusableError(f"kernels are bf16/fp16 only, dtype is {spec.dtype}")
+    if spec.kv_quantized:
+        raise BackendUnusableError("the paged kernels do not read an int8 KV cache (sdpa does)")
 
 
 class AttentionBackend(ABC):
@@ -144,19 +151,35 @@ class AttentionBackend(ABC):
         """Rewrite a static plan in place for this (already padded) decode layout."""
 
 
-def write_kv(layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor):
-    layer_cache[meta.slot_block_ids, 0, meta.slot_offsets] = k
-    layer_cache[meta.slot_block_ids, 1, meta.slot_offsets] = v
+def write_kv(
+    layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stores the step's new K/V; returns them as the cache now holds them. Attention reads
+    those, never the unquantized ones, so with an int8 cache a fresh prompt, a chunk after
+    cached context and a decode all see the same keys (chunked == one-shot, hit == miss)."""
+    if layer_cache.dtype != torch.int8:
+        layer_cache[meta.slot_block_ids, 0, meta.slot_offsets] = k
+        layer_cache[meta.slot_block_ids, 1, meta.slot_offsets] = v
+        return k, v
+    packed_k, packed_v = kv_quant.quantize(k), kv_quant.quantize(v)
+    layer_cache[meta.slot_block_ids, 0, meta.slot_offsets] = packed_k
+    layer_cache[meta.slot_block_ids, 1, meta.slot_offsets] = packed_v
+    return kv_quant.dequantize(packed_k, k.dtype), kv_quant.dequantize(packed_v, v.dtype)
+
+
+def read_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows -> K or V in the model's dtype (int8 rows are dequantized)."""
+    return kv_quant.dequantize(rows, dtype) if rows.dtype == torch.int8 else rows
 
 
 def gather_kv(
-    layer_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+    layer_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns one request's first num_tokens K and V: [num_tokens, num_kv_heads, head_dim]."""
-    blocks = layer_cache[block_table]  # [nb, 2, bs, Hkv, D]
+    blocks = layer_cache[block_table]  # [nb, 2, bs, Hkv, D] (D + 4 bytes when int8)
     k = blocks[:, 0].flatten(0, 1)[:num_tokens]
     v = blocks[:, 1].flatten(0, 1)[:num_tokens]
-    return k, v
+    return read_kv(k, dtype), read_kv(v, dtype)
 
 
 def to_device(values: Sequence | torch.Tensor, device: torch.device, dtype=torch.long):
@@ -242,7 +265,7 @@ class TorchSDPABackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(q_seg, k, v, is_causal=True, enable_gqa=True)
             else:
                 total = seg.context_start + n
-                k, v = gather_kv(layer_cache, seg.block_table, total)
+                k, v = gather_kv(layer_cache, seg.block_table, total, q.dtype)
                 # Bottom-right causal: query i sits at position context_start + i.
                 rows = torch.arange(n, device=q.device).unsqueeze(1) + seg.context_start
                 mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
@@ -253,8 +276,9 @@ class TorchSDPABackend(AttentionBackend):
         if plan.num_decodes:
             # Gather K and V separately: each comes out as one copy, already [B, L, Hkv, D].
             tables = plan.decode_block_tables
-            k = layer_cache[:, 0][tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-            v = layer_cache[:, 1][tables].flatten(1, 2).transpose(1, 2)
+            k = read_kv(layer_cache[:, 0][tables], q.dtype).flatten(1, 2).transpose(1, 2)
+            v = read_kv(layer_cache[:, 1][tables], q.dtype).flatten(1, 2).transpose(1, 2)
+            # k, v: [B, Hkv, L, D]
             q_dec = q[plan.decode_token_ids].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(
                 q_dec, k, v, attn_mask=plan.decode_mask, enable_gqa=True
@@ -389,7 +413,7 @@ def _fresh_kv(layer: torch.Tensor, layout: StepLayout, bs: int):
     for i, n in enumerate(layout.query_lens):
         context = layout.context_lens[i]
         table = torch.tensor(layout.block_tables[i], device=layer.device)
-        k, v = gather_kv(layer, table, context)
+        k, v = gather_kv(layer, table, context, layer.dtype)
         ks.append(k[context - n :])
         vs.append(v[context - n :])
     return torch.cat(ks), torch.cat(vs)

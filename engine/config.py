@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine.errors import InvalidRequestError
+from engine.kv_quant import KV_CACHE_DTYPES, KVCacheDtype
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "sdpa", "flashinfer", "flash_attn"]
@@ -121,6 +122,9 @@ class EngineConfig:
     # docs/engine.md has what each costs in quality and buys in speed; int4 is CPU-only).
     # "none" keeps the weights in dtype.
     quantization: str = "none"
+    # "int8": the KV cache holds int8 values with one scale per token and head (engine/kv_quant.py,
+    # a quarter of fp32's bytes); "auto" keeps it in dtype. Prefill and decode workers must agree.
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -140,6 +144,10 @@ class EngineConfig:
             # torch's CUDA int4 kernel (_weight_int4pack_mm) packs differently and has not been
             # run here (no GPU on the machines this was built on): refused, not guessed.
             raise InvalidRequestError(f"quantization int4 runs on the CPU only, not {device}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}"
+            )
         if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequestError(
                 f"chunk_size must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {self.chunk_size}"

@@ -92,7 +92,7 @@ class DecoderLayer:
         qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, cfg.head_dim))
         q, k = apply_rope(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(layer_cache, meta, k, v)
+        k, v = write_kv(layer_cache, meta, k, v)
         o = attention.forward(q, layer_cache, meta.plan, k, v)
         x = x + linear(o.flatten(1), self.o_weight)
         h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)

@@ -14,6 +14,7 @@ from prometheus_client import Gauge
 from engine.attention import AttentionMetadata, AttentionSpec, StepLayout, select_backend, to_device
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
+from engine.kv_quant import row_width
 from engine.loader import load_weights
 from engine.model import LlamaModel
 from engine.request import Request
@@ -81,15 +82,18 @@ class ModelRunner:
         mc = model_config
         # One block past the pool: the scratch block, where padded decode rows of a CUDA graph
         # read and write. The pool, the engine and the KV transfer only see kv_cache.
+        int8_kv = config.kv_cache_dtype == "int8"
         self._kv_storage = torch.zeros(
             config.num_blocks + 1, mc.num_layers, 2, config.block_size, mc.num_kv_heads,
-            mc.head_dim, dtype=self.dtype, device=self.device,
+            row_width(mc.head_dim, int8_kv), dtype=torch.int8 if int8_kv else self.dtype,
+            device=self.device,
         )  # fmt: skip
         self.kv_cache = self._kv_storage[: config.num_blocks]
         self.scratch_block = config.num_blocks
         spec = AttentionSpec(
-            mc.num_heads, mc.num_kv_heads, mc.head_dim, config.block_size, self.dtype, self.device
-        )
+            mc.num_heads, mc.num_kv_heads, mc.head_dim, config.block_size, self.dtype,
+            self.device, kv_quantized=int8_kv,
+        )  # fmt: skip
         self.attention = select_backend(config.attention_backend, spec)
         self.graphs = self._make_graphs(mc)
         self._use_graphs = self.graphs is not None

@@ -7,22 +7,26 @@ from typing import Any
 
 import torch
 
+from engine import kv_quant
+
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
+    torch.int8: "int8",
 }
-_ITEM_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ITEM_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 # kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], contiguous,
-# so block b is the byte range [b * bytes_per_block, (b + 1) * bytes_per_block).
+# so block b is the byte range [b * bytes_per_block, (b + 1) * bytes_per_block). An int8 cache's
+# rows carry their scale after the values (engine/kv_quant.py): head_dim + 4 bytes each.
 KV_CACHE_NDIM = 6
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     model_id: str
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int8": the cache's, which both ends share
     block_size: int
     num_layers: int
     num_kv_heads: int
@@ -38,8 +42,9 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        elements = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return elements * _ITEM_SIZES[self.dtype]
+        rows = self.num_layers * 2 * self.block_size * self.num_kv_heads
+        width = kv_quant.row_width(self.head_dim, quantized=self.dtype == "int8")
+        return rows * width * _ITEM_SIZES[self.dtype]
 
     def mismatch(self, other: KVLayout) -> str | None:
         """Every differing field as 'field: expected <self>, got <other>'; None when equal."""
@@ -59,10 +64,12 @@ class KVLayout:
             )
         if kv_cache.dtype not in DTYPE_NAMES:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not one of {list(DTYPE_NAMES)}")
-        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, num_layers, _, block_size, num_kv_heads, width = kv_cache.shape
+        dtype = DTYPE_NAMES[kv_cache.dtype]
+        head_dim = width - kv_quant.SCALE_BYTES if dtype == "int8" else width
         return cls(
             model_id=model_id,
-            dtype=DTYPE_NAMES[kv_cache.dtype],
+            dtype=dtype,
             block_size=block_size,
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,

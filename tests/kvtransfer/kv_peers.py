@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from prometheus_client import REGISTRY
 
+from engine import kv_quant
 from kvtransfer import Backend, KVAgent, KVLayout, create_agent
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 MODEL_ID = "SmolLM2-135M-Instruct"
 CALL_TIMEOUT_S = 60.0
 
@@ -34,8 +35,9 @@ class CacheSpec:
 
 def make_cache(spec: CacheSpec, seed: int) -> torch.Tensor:
     """Random bytes (not random floats): every bit pattern must survive the trip, NaNs included."""
+    width = kv_quant.row_width(spec.head_dim, quantized=spec.dtype == "int8")
     cache = torch.empty(
-        (spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
+        (spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, width),
         dtype=DTYPES[spec.dtype],
     )
     raw = cache.view(-1).view(torch.uint8)

@@ -15,6 +15,16 @@ def test_bytes_per_block_is_one_block_of_every_layer_k_and_v() -> None:
     assert SMOLLM2.bytes_per_block == 737_280
     bf16 = KVLayout("SmolLM2-135M-Instruct", "bfloat16", 16, 30, 3, 64)
     assert bf16.bytes_per_block == 368_640
+    # int8 rows: 64 values and their float32 scale (engine/kv_quant.py), 12,240 B/token.
+    int8 = KVLayout("SmolLM2-135M-Instruct", "int8", 16, 30, 3, 64)
+    assert int8.bytes_per_block == 195_840
+
+
+def test_of_reads_an_int8_cache_whose_rows_carry_their_scale() -> None:
+    cache = torch.zeros((5, 30, 2, 16, 3, 68), dtype=torch.int8)
+    layout = KVLayout.of("SmolLM2-135M-Instruct", cache)
+    assert (layout.dtype, layout.head_dim) == ("int8", 64)
+    assert cache[1].numel() * cache.element_size() == layout.bytes_per_block
 
 
 def test_of_reads_shape_and_dtype_of_a_block_major_cache() -> None:
@@ -43,7 +53,7 @@ def test_mismatch_names_every_differing_field() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({**SMOLLM2.to_dict(), "dtype": "int8"}, "dtype must be one of"),
+        ({**SMOLLM2.to_dict(), "dtype": "int4"}, "dtype must be one of"),
         ({**SMOLLM2.to_dict(), "head_dim": 0}, "head_dim must be a positive int"),
         ({"model_id": "m"}, "malformed KV layout"),
     ],

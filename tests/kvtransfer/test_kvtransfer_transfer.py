@@ -68,7 +68,12 @@ def _expected_after(
     return expected
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# One block of SmolLM2-135M: 30 layers * (K, V) * 16 tokens * 3 heads * (64 dims * itemsize, or
+# 64 int8 values + a 4-byte scale): an int8 cache ships 17/64 of fp32's bytes, 17/32 of bf16's.
+BYTES_PER_BLOCK = {"float32": 737_280, "bfloat16": 368_640, "int8": 195_840}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_blocks_land_byte_for_byte_in_scattered_destinations(pair: Pair, dtype: str) -> None:
     spec = CacheSpec(dtype)
     rx, tx = pair.agent(pair.receiver, spec), pair.agent(pair.sender, spec)
@@ -87,14 +92,15 @@ def test_blocks_land_byte_for_byte_in_scattered_destinations(pair: Pair, dtype: 
 
     after = block_bytes(pair.receiver.call(read_cache, rx))
     assert torch.equal(after, _expected_after(before, source, src_ids, dst_ids))
-    bytes_per_block = after.shape[1]
-    assert pair.sender.call(bytes_sent, pair.backend) - sent_before == 5 * bytes_per_block
+    assert after.shape[1] == BYTES_PER_BLOCK[dtype]
+    assert pair.sender.call(bytes_sent, pair.backend) - sent_before == 5 * BYTES_PER_BLOCK[dtype]
 
 
 @pytest.mark.parametrize(
     ("sender_spec", "reason"),
     [
         (CacheSpec("bfloat16"), "dtype: expected float32, got bfloat16"),
+        (CacheSpec("int8"), "dtype: expected float32, got int8"),
         (CacheSpec("float32", block_size=8), "block_size: expected 16, got 8"),
     ],
 )
