@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Literal
 
 from engine.errors import InvalidRequestError
-from engine.kv_quant import KV_CACHE_DTYPES, KVCacheDtype
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "sdpa", "flashinfer", "flash_attn"]
+# auto: the model's dtype; int8: engine/kv_quant.py (declared here: this module stays torch-free).
+KVCacheDtype = Literal["auto", "int8"]
+KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "int8")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 128, 2048
 # Decode steps are captured as CUDA graphs at these batch sizes (up to max_num_seqs); a step of n
 # decodes replays the smallest one >= n, the padding rows writing to a scratch block.

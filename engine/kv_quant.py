@@ -14,12 +14,8 @@ would have written.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KVCacheDtype = Literal["auto", "int8"]
-KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "int8")
 SCALE_BYTES = 4  # one float32 per row
 INT8_MAX = 127
 
