@@ -13,9 +13,11 @@ Prints tables, then one JSON line (the last line of stdout):
  "targets": {name: {"value": x, "target": y, "met": bool}}, "setup": {...},
  "decode_int8_vs_hf_fp32": {"1": r, "32": r}, "decode_int8_tokens_per_s": {...},
  "decode_int4_vs_hf_fp32": {"1": r, "32": r}, "decode_int4_tokens_per_s": {...},
+ "decode_int8_kv_vs_hf_fp32": {"1": r, "32": r}, "decode_int8_kv_tokens_per_s": {...},
+ "decode_int8_kv_vs_engine_fp32": {"1": r, "32": r} (the fp32 engine with an int8 KV cache),
  "kv_bytes_per_token": {"float32": n, "bfloat16": n, "int8": n}, "read_bandwidth_gb_s": x,
  "decode_b1_fraction_of_bandwidth_bound": {"float32": {...}, "int8": {...}, "int4": {...}}}
---decode-only skips prefill; --no-int8 / --no-int4 skip the int8- / int4-weight points.
+--decode-only skips prefill; --no-int8 / --no-int4 / --no-int8-kv skip those points.
 
 How each number is made. Both systems run in the same process, one after the other, alternating
 which goes first, so that load from other processes hits them alike; each number is the best
@@ -68,7 +70,7 @@ from engine.quantization import INT4_GROUP  # noqa: E402
 MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16")
 PREFILL_SIZES = (128, 512, 1024, 2048)
-DECODE_BATCHES = (1, 8, 32)
+DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_PROMPT_TOKENS = 32
 NEW_TOKENS = 9  # G: the first token ends the prefill, then G - 1 = 8 decode steps
 REPEATS = 3
@@ -94,6 +96,13 @@ TARGET_FP32_DECODE_B1_SPEEDUP = 2.0
 TARGET_INT8_DECODE_B1_SPEEDUP = 4.0
 INT8_DECODE_BATCHES = (1, 32)  # the int4 points too
 QUANTIZED = ("int8", "int4")  # weight quantizations benchmarked against HF fp32
+# Every engine variant benchmarked against HF fp32: its engine settings (int8_kv: the fp32
+# engine with an int8 KV cache).
+VARIANTS: dict[str, dict[str, str]] = {
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "int8_kv": {"kv_cache_dtype": "int8"},
+}
 BANDWIDTH_BYTES = 512 * 2**20  # well past the last-level cache: every read comes from DRAM
 BANDWIDTH_REPEATS = 5
 KV_SCALE_BYTES = 4  # an int8 KV cache: one float32 scale per token, layer, K/V and KV head
@@ -209,7 +218,8 @@ def measure_read_bandwidth() -> float:
 # ---- the two systems ------------------------------------------------------------------------
 
 
-def make_llm(dtype: str, threads: int, num_blocks: int, quantization: str = "none") -> LLM:
+def make_llm(dtype: str, threads: int, num_blocks: int, **variant: str) -> LLM:
+    """variant: quantization= and/or kv_cache_dtype= (VARIANTS)."""
     return LLM(
         model=MODEL,
         dtype=dtype,
@@ -217,7 +227,7 @@ def make_llm(dtype: str, threads: int, num_blocks: int, quantization: str = "non
         num_blocks=num_blocks,
         num_threads=threads,
         enable_prefix_caching=False,
-        quantization=quantization,
+        **variant,
     )
 
 
@@ -380,10 +390,10 @@ def bench_quantized_decode(
 ) -> dict[int, tuple[float, float]]:
     """Quantized-weight (int8 or int4) engine decode vs HF fp32, interleaved like the others."""
     fp32_llm = systems.llm
-    systems.llm = make_llm("float32", args.threads, num_blocks, quantization=quantization)
+    systems.llm = make_llm("float32", args.threads, num_blocks, **VARIANTS[quantization])
     try:
         systems.engine_decode_s(random_prompts(1, DECODE_PROMPT_TOKENS, vocab, seed=7), 3)
-        print(f"  {quantization} weights:", flush=True)
+        print(f"  {quantization}:", flush=True)
         return bench_decode(
             systems, list(INT8_DECODE_BATCHES), args.new_tokens, args.repeats, args.budget_s, vocab
         )
@@ -397,7 +407,7 @@ def add_issue12_keys(
     """Int8- and int4-weight decode vs HF fp32, KV bytes per token, and batch 1 against the
     bandwidth bound (weight bytes per step / read bandwidth); "int8" and "int4" are
     quantizations, not dtypes, so they stay out of the per-dtype keys."""
-    for name in QUANTIZED:
+    for name in VARIANTS:
         points = quantized.get(name, {})
         summary[f"decode_{name}_vs_hf_fp32"] = {
             str(b): round(e / h, 3) for b, (e, h) in points.items()
@@ -406,6 +416,12 @@ def add_issue12_keys(
             str(b): {f"engine_{name}": round(e, 3), "hf_fp32": round(h, 3)}
             for b, (e, h) in points.items()
         }
+    # int8 KV against this run's fp32 engine (same weights, only the cache differs).
+    fp32 = decode.get("float32", {})
+    summary["decode_int8_kv_vs_engine_fp32"] = {
+        str(b): round(e / fp32[b][0], 3) for b, (e, _) in quantized.get("int8_kv", {}).items()
+        if b in fp32
+    }  # fmt: skip
     summary["kv_bytes_per_token"] = flops.kv_bytes_per_token()
     summary["read_bandwidth_gb_s"] = round(bandwidth, 2)
     fraction = {}
@@ -610,12 +626,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-only", action="store_true", help="no prefill points")
-    for name in QUANTIZED:
+    for name in VARIANTS:
         parser.add_argument(
-            f"--no-{name}",
+            f"--no-{name.replace('_', '-')}",
             dest=name,
             action="store_false",
-            help=f"skip the {name}-weight decode points (batches {INT8_DECODE_BATCHES}, float32)",
+            help=f"skip the {name} decode points (batches {INT8_DECODE_BATCHES}, float32)",
         )
     parser.add_argument(
         "--profile", action="store_true", help="profile the engine instead of benchmarking"
@@ -685,7 +701,7 @@ def main() -> None:
         decode[dtype] = bench_decode(
             systems, args.decode_batches, args.new_tokens, args.repeats, args.budget_s, vocab
         )
-        for name in QUANTIZED if dtype == "float32" else ():
+        for name in VARIANTS if dtype == "float32" else ():
             if getattr(args, name):
                 quantized[name] = bench_quantized_decode(systems, args, num_blocks, vocab, name)
         del systems
