@@ -155,7 +155,7 @@ GRPC_ERRORS = [
     pytest.param(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 65)), WITH_KEY,
                  grpc.StatusCode.INVALID_ARGUMENT, "prompt has 65 tokens", id="over-long-prompt"),
     pytest.param(pb.GenerateRequest(text="Hi", params=pb.SamplingParams(temperature=math.nan)),
-                 WITH_KEY, grpc.StatusCode.INVALID_ARGUMENT, "temperature and top_p must be finite",
+                 WITH_KEY, grpc.StatusCode.INVALID_ARGUMENT, "temperature must be finite, got nan",
                  id="nan-temperature"),
 ]  # fmt: skip
 
