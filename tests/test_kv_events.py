@@ -120,3 +120,22 @@ def test_the_index_follows_rebuilds_and_forgets_workers(redis_url):
     finally:
         for publisher in publishers.values():
             publisher.stop()
+
+
+def test_a_cancelled_follower_always_ends(redis_url):
+    """The router's shutdown cancels its follower: a cancel that lands anywhere in a blocking
+    XREAD must end the task (redis-py swallowed about 1 in 100 of them)."""
+
+    async def cancel_often() -> list[int]:
+        stuck = []
+        for i in range(150):
+            task = asyncio.create_task(follow(PrefixIndex(16), redis_url, lambda: {"a"}, 50))
+            await asyncio.sleep((i % 25) * 0.005)  # 0 to 120 ms: every phase of the read
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=30)
+            if not done:
+                stuck.append(i)
+                break
+        return stuck
+
+    assert asyncio.run(cancel_often()) == []
