@@ -57,7 +57,8 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> No
         fill_next_token_bitmask(requests[i].matcher, bitmask, j)
     allowed = _unpack(torch.from_numpy(bitmask).to(logits.device), vocab)  # [m, vocab]
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    # logits[index], not index_select, as in the sampler (engine/sampling.py says why).
+    masked = logits[index].masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, masked)
 
 
