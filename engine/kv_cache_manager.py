@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
+from engine.prefix_hash import extend_block_hashes
 from engine.request import Request
-from pdserve.prefix_hash import extend_block_hashes
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from pdserve.prefix_hash import HASH_BYTES
+from engine.prefix_hash import HASH_BYTES
 
 log = logging.getLogger(__name__)
 

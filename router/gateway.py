@@ -16,9 +16,9 @@ import grpc
 
 from engine import InvalidRequestError, SamplingParams
 from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.prefix_hash import prompt_block_hashes
 from engine.tokenizer import TextTokenizer
 from pdserve import wire
-from pdserve.prefix_hash import prompt_block_hashes
 from pdserve.registry import ROLES
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb

@@ -23,7 +23,7 @@ class Ticket:
     affinity_key: bytes  # the prompt's leading tokens, hashed (for the hash policy)
     # Decode workers this request was lost on (migration): never routed there again.
     excluded_decode_ids: frozenset[str] = frozenset()
-    # The prompt's chained block hashes (pdserve.prefix_hash), for the prefix scorers.
+    # The prompt's chained block hashes (engine.prefix_hash), for the prefix scorers.
     block_hashes: tuple[bytes, ...] = ()
 
     @property

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from engine.prefix_hash import hash_block
 from pdserve import kv_events
 from pdserve.kv_events import CacheEventPublisher, CacheMirror, CacheUpdate, stream_key
-from pdserve.prefix_hash import hash_block
 from pdserve.redis_server import RedisServer
 from router.prefix_index import PrefixIndex, follow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_pool import BlockPool, NoFreeBlocksError
-from pdserve.prefix_hash import extend_block_hashes, hash_block, prompt_block_hashes
+from engine.prefix_hash import extend_block_hashes, hash_block, prompt_block_hashes
 
 
 def cached_pool(num_blocks: int, cached_ids: list[int]) -> BlockPool:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from router_harness import MODEL, InProcessRouter
 
-from pdserve.prefix_hash import prompt_block_hashes
+from engine.prefix_hash import prompt_block_hashes
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from router_harness import pool_of, ticket, with_load, worker
 
+from engine.prefix_hash import prompt_block_hashes
 from pdserve.kv_events import CacheUpdate
-from pdserve.prefix_hash import prompt_block_hashes
 from router.prefix_index import Choice, PrefixIndex
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
