@@ -29,6 +29,9 @@ class Expected:
     pending_block_ids: set[int]  # expected, not yet admitted by any header
     num_landing: int = 0  # admitted headers whose bytes are still being written
     writer_ids: set[str] = field(default_factory=set)  # peers admitted to write into these blocks
+    # Blocks this agent holds for the request, full and unchanging while it is open, which a
+    # peer may read (ask us to send) in the meantime: the decode worker's prefix-cache hits.
+    readable_block_ids: frozenset[int] = frozenset()
     error: KVTransferError | None = None
     is_open: bool = True  # False once forgotten: from then on its bytes go nowhere
     done: threading.Event = field(default_factory=threading.Event)
@@ -51,16 +54,60 @@ class Inbox:
         self._requests: dict[str, Expected] = {}
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
 
-    def expect(self, request_id: str, block_ids: Sequence[int]) -> None:
-        ids = set(block_ids)
+    def expect(
+        self, request_id: str, block_ids: Sequence[int], readable_block_ids: Sequence[int] = ()
+    ) -> None:
+        ids, readable = set(block_ids), frozenset(readable_block_ids)
         if not ids or len(ids) != len(block_ids):
             raise ValueError(f"block ids must be non-empty and unique, got {list(block_ids)}")
-        if min(ids) < 0 or max(ids) >= self.num_blocks:
-            raise ValueError(f"block ids must lie in [0, {self.num_blocks}), got {sorted(ids)}")
+        if min(ids | readable) < 0 or max(ids | readable) >= self.num_blocks:
+            raise ValueError(
+                f"block ids must lie in [0, {self.num_blocks}), got {sorted(ids | readable)}"
+            )
+        if ids & readable:
+            raise ValueError(f"blocks {sorted(ids & readable)} are both expected and readable")
         with self._lock:
             if request_id in self._requests or request_id in self._recent_ids:
                 raise ValueError(f"request id {request_id!r} was already used on this agent")
-            self._requests[request_id] = Expected(request_id, len(ids), ids)
+            self._requests[request_id] = Expected(
+                request_id, len(ids), ids, readable_block_ids=readable
+            )
+
+    def check_readable(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Raises unless the request is open and holds these blocks readable. Checked again
+        after the bytes have left: the owner frees the blocks only after forgetting the request,
+        so one that is still open then held them for the whole read."""
+        with self._lock:
+            entry = self._open_entry(request_id)
+            unreadable = set(block_ids) - entry.readable_block_ids
+        if unreadable or not block_ids:
+            raise KVTransferError(
+                request_id, f"blocks {sorted(unreadable)} are not readable for this request"
+            )
+
+    def finish_read(
+        self, request_id: str, verdict: KVTransferError | None
+    ) -> KVTransferError | None:
+        """Our read's outcome (the holder's verdict, else how its bytes landed); forgets it."""
+        with self._lock:
+            entry = self._requests.get(request_id)
+        if entry is None:
+            error: KVTransferError | None = KVCancelledError(request_id, "read cancelled")
+        elif verdict is not None or entry.error is not None:
+            error = verdict or entry.error
+        elif not entry.done.is_set():
+            landed = f"{entry.num_landed} of {entry.num_expected_blocks} blocks landed"
+            error = KVTransferError(request_id, f"holder reported done, but {landed}")
+        else:
+            error = None
+        self.forget(request_id)
+        return error
+
+    def is_settled(self, request_id: str) -> bool:
+        """Whether the request is gone or every block of it landed (or it failed)."""
+        with self._lock:
+            entry = self._requests.get(request_id)
+        return entry is None or entry.done.is_set()
 
     def grant(self, request_id: str, layout: KVLayout, writer_id: str) -> None:
         """Admit a writer before it writes anything (one-sided backends); raises like admit()."""

@@ -1,4 +1,5 @@
-"""NIXL backend: one-sided UCX WRITEs from our registered KV cache into the peer's."""
+"""NIXL backend: one-sided UCX WRITEs from our registered KV cache into the peer's (a read asks
+the holder to write: see docs/kvtransfer.md, reads)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ except ImportError:  # the same API built for CUDA 13 (Dockerfile: NIXL_PACKAGE=
 from kvtransfer.agent import Fence, KVAgent, TransferHandle, done_fence
 from kvtransfer.errors import (
     KVPeerError,
+    KVTimeoutError,
     KVTransferError,
     error_from_wire,
     error_kind,
@@ -43,7 +45,7 @@ from kvtransfer.inbox import Expected
 from kvtransfer.layout import KVLayout
 from kvtransfer.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_MEMORY
 from kvtransfer.staging import BlockMirror, Staging, ready_event, ucx_cuda_missing
-from kvtransfer.wire import BlockHeader, PeerMetadata
+from kvtransfer.wire import BlockHeader, PeerMetadata, ReadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ _GRANT_TIMEOUT_S = 10.0
 # How long a fence waits for an admitted writer to confirm it has nothing more in flight; a
 # writer that stays silent is taken to be dead (its transport endpoints are gone with it).
 _DRAIN_TIMEOUT_S = 1.0
+# A holder answers a read once its own send of the blocks resolved; past this, the read fails
+# (and the reader's cancel() fences a push that may still be writing).
+_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,16 @@ class _Burst:
     stop_error: KVTransferError | None = None  # set by the receiver's 'stop'
 
 
+@dataclass(slots=True)
+class _Read:
+    """One of our reads, from the request to the holder until its answer."""
+
+    handle: TransferHandle
+    deadline_s: float
+    is_answered: bool = False
+    verdict: KVTransferError | None = None
+
+
 def _block_descs(
     base_address: int, num_blocks: int, bytes_per_block: int, device_id: int
 ) -> np.ndarray:
@@ -170,6 +185,7 @@ class NixlAgent(KVAgent):
         self._remote_blocks: dict[str, nixl_prepped_dlist_handle] = {}  # by agent name
         self._loaded_agents: set[str] = set()
         self._bursts: dict[tuple[str, str], _Burst] = {}  # (agent name, request id)
+        self._reads: dict[tuple[str, str], _Read] = {}  # (holder's agent name, request id)
         self._fences: dict[str, Fence] = {}  # request id -> writers not yet drained
         # Fences whose writers stayed silent past the drain timeout: a late 'drained' still
         # settles them, but they no longer keep the driver polling fast.
@@ -213,8 +229,10 @@ class NixlAgent(KVAgent):
 
     # ---- caller-thread API
 
-    def expect(self, request_id: str, block_ids: Sequence[int]) -> None:
-        super().expect(request_id, block_ids)
+    def expect(
+        self, request_id: str, block_ids: Sequence[int], readable_block_ids: Sequence[int] = ()
+    ) -> None:
+        super().expect(request_id, block_ids, readable_block_ids)
         self._wake.set()  # the driver may be napping: the sender's 'begin' should not wait
 
     def send(
@@ -242,6 +260,17 @@ class NixlAgent(KVAgent):
         job = _Job(peer, header, list(src_block_ids), handle, ready_event(self.kv_cache))
         self._call(partial(self._start_job, job))
         return handle
+
+    def _start_read(self, peer_metadata: bytes, read: ReadRequest, handle: TransferHandle) -> None:
+        try:
+            peer = _Peer.parse(peer_metadata)
+        except ValueError as e:
+            self._finish_read(handle, KVTransferError(read.request_id, f"bad peer metadata: {e}"))
+            return
+        if self._closed.is_set():
+            self._finish_read(handle, KVPeerError(read.request_id, "agent closed"))
+            return
+        self._call(partial(self._request_read, peer, read, handle))
 
     def _fence(self, entry: Expected) -> Fence:
         # entry is forgotten: no writer can be admitted any more, so writer_ids is final.
@@ -283,6 +312,9 @@ class NixlAgent(KVAgent):
             for job, _ in burst.gated:
                 job.handle.resolve(KVPeerError(job.header.request_id, "agent closed"))
         self._bursts.clear()
+        for (_, request_id), read in self._reads.items():
+            read.handle.resolve(KVPeerError(request_id, "agent closed"))
+        self._reads.clear()
         # The fences stay unsettled: closing does not stop a remote writer.
         for remote in self._remote_blocks.values():
             _release_quietly(remote)
@@ -315,7 +347,7 @@ class NixlAgent(KVAgent):
                 self._progress()
             except Exception:  # keep serving other requests; each failure is logged
                 logger.exception("nixl driver step failed")
-            is_active = bool(self._bursts or self._fences or self._inbox.num_open())
+            is_active = bool(self._bursts or self._fences or self._reads or self._inbox.num_open())
             self._wake.wait(_POLL_ACTIVE_S if is_active else _POLL_IDLE_S)
 
     def _notify(self, agent_name: str, op: str, request_id: str, **fields: Any) -> None:
@@ -337,6 +369,10 @@ class NixlAgent(KVAgent):
             elif op == "stop":
                 error = error_from_wire(str(body["kind"]), request_id, str(body["reason"]))
                 self._on_stop(agent_name, request_id, error)
+            elif op == "read":
+                self._on_read(agent_name, ReadRequest.from_dict(body["read"]))
+            elif op == "read_done":
+                self._on_read_done(agent_name, request_id, body)
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as e:  # one bad message must not cost the rest of its batch
@@ -378,6 +414,27 @@ class NixlAgent(KVAgent):
                     self._mirror.copy_in(header.block_ids)
         self._inbox.land(entry)
         KV_TRANSFER_BYTES.labels(self.backend, "received").inc(header.num_bytes)
+
+    def _on_read(self, agent_name: str, read: ReadRequest) -> None:
+        push = self._push(read)
+        # Answered on a later driver turn: the push may resolve on this very call.
+        push.add_done_callback(
+            lambda error: self._call(partial(self._answer_read, agent_name, read, error))
+        )
+
+    def _answer_read(
+        self, agent_name: str, read: ReadRequest, error: KVTransferError | None
+    ) -> None:
+        verdict = self._read_verdict(read, error)
+        fields = {} if verdict is None else {"kind": error_kind(verdict), "reason": verdict.reason}
+        try:
+            if agent_name not in self._loaded_agents:  # the push failed before loading it
+                self._load_peer(_Peer.parse(read.reader_metadata))
+            self._notify(agent_name, "read_done", read.request_id, **fields)
+        except Exception as e:  # nixl raises its own exception types; the reader times out
+            logger.warning(
+                "request %s: cannot answer %s's read: %s", read.request_id, agent_name, e
+            )
 
     def _start_fence(self, request_id: str, fence: Fence) -> None:
         self._fences[request_id] = fence
@@ -434,6 +491,39 @@ class NixlAgent(KVAgent):
             self._post(job, burst)
         else:
             burst.queued.append(job)
+
+    def _request_read(self, peer: _Peer, read: ReadRequest, handle: TransferHandle) -> None:
+        try:
+            if peer.agent_name not in self._remote_blocks:
+                self._load_peer(peer)
+            self._notify(peer.agent_name, "read", read.request_id, read=read.to_dict())
+        except Exception as e:  # nixl raises its own exception types
+            error = KVPeerError(read.request_id, f"cannot reach {peer.agent_name}: {e}")
+            self._finish_read(handle, error)
+            return
+        deadline_s = time.monotonic() + _READ_TIMEOUT_S
+        self._reads[(peer.agent_name, read.request_id)] = _Read(handle, deadline_s)
+
+    def _on_read_done(self, agent_name: str, request_id: str, body: dict[str, Any]) -> None:
+        read = self._reads.get((agent_name, request_id))
+        if read is None:
+            return
+        read.is_answered = True
+        if "kind" in body:
+            read.verdict = error_from_wire(str(body["kind"]), request_id, str(body["reason"]))
+
+    def _settle_reads(self, now: float) -> None:
+        """A read ends with the holder's answer once its bytes have landed here (the answer may
+        overtake the push's 'data' notification), or at its deadline."""
+        for key, read in list(self._reads.items()):
+            if read.is_answered and (read.verdict is not None or self._inbox.is_settled(key[1])):
+                del self._reads[key]
+                self._finish_read(read.handle, read.verdict)
+            elif now > read.deadline_s:
+                del self._reads[key]
+                # Not forgotten: a push may still be writing; the caller's cancel() fences it.
+                reason = f"{key[0]} did not answer the read within {_READ_TIMEOUT_S} s"
+                read.handle.resolve(KVTimeoutError(key[1], reason))
 
     def _load_peer(self, peer: _Peer) -> None:
         if peer.agent_name not in self._loaded_agents:
@@ -505,6 +595,7 @@ class NixlAgent(KVAgent):
 
     def _progress(self) -> None:
         now = time.monotonic()
+        self._settle_reads(now)
         for key, burst in list(self._bursts.items()):
             gated, burst.gated = burst.gated, []
             for job, gate in gated:

@@ -7,6 +7,7 @@ import logging
 import socket
 import threading
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -25,12 +26,15 @@ from kvtransfer.tcp_sender import (
     TcpJob,
     TcpPeerConnection,
 )
-from kvtransfer.wire import BlockHeader, PeerMetadata
+from kvtransfer.wire import BlockHeader, PeerMetadata, ReadRequest
 
 # recv_into a block holds the request's write lock; this timeout bounds how long cancel() waits
 # for a stalled sender to let go of it.
 _RECV_SLICE_TIMEOUT_S = 0.05
 _DISCARD_CHUNK_BYTES = 1 << 20
+# A holder answers a read within this: a reader that takes longer to receive the blocks gets a
+# timeout verdict, and its inbox drops whatever arrives later.
+_PUSH_TIMEOUT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +96,25 @@ class TcpAgent(KVAgent):
         header = BlockHeader(request_id, self.layout, tuple(dst_block_ids), num_bytes)
         # Recorded here, on the engine thread, right after the step that wrote these blocks.
         job = TcpJob(header, tuple(src_block_ids), handle, ready_event(self.kv_cache))
+        self._submit(address, job)
+        return handle
+
+    def _start_read(self, peer_metadata: bytes, read: ReadRequest, handle: TransferHandle) -> None:
+        try:
+            address = _parse_endpoint(peer_metadata)
+        except ValueError as e:
+            self._finish_read(handle, KVTransferError(read.request_id, f"bad peer metadata: {e}"))
+            return
+        # The frame's ack is the holder's verdict; it comes after its bytes reached our inbox.
+        frame = TransferHandle(read.request_id, 0, self.backend, counts=False)
+        frame.add_done_callback(partial(self._finish_read, handle))
+        self._submit(address, TcpJob(read, (), frame))
+
+    def _submit(self, address: tuple[str, int], job: TcpJob) -> None:
         with self._lock:
             if self._closed:
-                handle.resolve(KVPeerError(request_id, "agent closed"))
-                return handle
+                job.handle.resolve(KVPeerError(job.header.request_id, "agent closed"))
+                return
             connection = self._peers.get(address)
             if connection is None:
                 connection = TcpPeerConnection(
@@ -103,7 +122,6 @@ class TcpAgent(KVAgent):
                 )
                 self._peers[address] = connection
         connection.submit(job)
-        return handle
 
     def _reader(self) -> BlockReader:
         return StagedReader(self.kv_cache) if self._bytes is None else DirectReader(self._bytes)
@@ -146,7 +164,10 @@ class TcpAgent(KVAgent):
         reason = "closed by peer"
         try:
             while (header := recv_frame_header(sock)) is not None:
-                ack = self._receive_frame(sock, header, writer_id, scratch, staged)
+                if isinstance(header, ReadRequest):
+                    ack = self._serve_read(header)
+                else:
+                    ack = self._receive_frame(sock, header, writer_id, scratch, staged)
                 sock.sendall(ack.encode())
         except OSError as e:  # ConnectionLostError included
             reason = str(e)
@@ -156,6 +177,17 @@ class TcpAgent(KVAgent):
             with self._lock:
                 self._accepted.discard(sock)
             sock.close()
+
+    def _serve_read(self, read: ReadRequest) -> Ack:
+        """Holder side: push the blocks, then answer. This connection's later frames wait
+        meanwhile (acks go back in frame order); the reader waits for this answer anyway."""
+        push = self._push(read)
+        try:
+            push.wait(_PUSH_TIMEOUT_S)
+            error = None
+        except KVTransferError as e:
+            error = e
+        return Ack(read.request_id, self._read_verdict(read, error))
 
     def _receive_frame(
         self, sock: socket.socket, header: BlockHeader, writer_id: str, scratch: memoryview,

@@ -1,4 +1,7 @@
-"""Framing of the tcp backend: [magic, header length, header JSON, payload] out, JSON acks back."""
+"""Framing of the tcp backend: [magic, header length, header JSON, payload] out, JSON acks back.
+
+A read request is a frame of its own magic with no payload: its ack is the holder's verdict,
+sent once the holder's own send of the blocks has resolved."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import struct
 from dataclasses import dataclass
 
 from kvtransfer.errors import KVTransferError, error_from_wire, error_kind
-from kvtransfer.wire import BlockHeader
+from kvtransfer.wire import BlockHeader, ReadRequest
 
 _MAGIC = b"PDKV"
+_READ_MAGIC = b"PDKR"
 _PREFIX = struct.Struct("!4sI")  # magic, header length; the payload length is in the header
 _ACK_PREFIX = struct.Struct("!I")
 # A header lists block ids as JSON: 1 MiB is ~100k blocks, far past any one request.
@@ -21,9 +25,10 @@ class ConnectionLostError(ConnectionError):
     """The peer closed the stream, or broke the framing (then the stream cannot be resynced)."""
 
 
-def encode_frame_header(header: BlockHeader) -> bytes:
+def encode_frame_header(header: BlockHeader | ReadRequest) -> bytes:
     body = header.encode()
-    return _PREFIX.pack(_MAGIC, len(body)) + body
+    magic = _READ_MAGIC if isinstance(header, ReadRequest) else _MAGIC
+    return _PREFIX.pack(magic, len(body)) + body
 
 
 def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
@@ -38,17 +43,18 @@ def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
     return bytes(buffer)
 
 
-def recv_frame_header(sock: socket.socket) -> BlockHeader | None:
+def recv_frame_header(sock: socket.socket) -> BlockHeader | ReadRequest | None:
     """The next frame's header; None when the peer closed cleanly between frames."""
     first = sock.recv(_PREFIX.size)
     if not first:
         return None
     prefix = first + recv_exact(sock, _PREFIX.size - len(first))
     magic, length = _PREFIX.unpack(prefix)
-    if magic != _MAGIC or length > MAX_HEADER_BYTES:
+    if magic not in (_MAGIC, _READ_MAGIC) or length > MAX_HEADER_BYTES:
         raise ConnectionLostError(f"bad frame prefix (magic {magic!r}, header length {length})")
     try:
-        return BlockHeader.decode(recv_exact(sock, length))
+        body = recv_exact(sock, length)
+        return ReadRequest.decode(body) if magic == _READ_MAGIC else BlockHeader.decode(body)
     except ValueError as e:
         raise ConnectionLostError(str(e)) from e
 

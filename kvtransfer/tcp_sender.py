@@ -17,7 +17,7 @@ from kvtransfer.agent import TransferHandle
 from kvtransfer.blocks import runs
 from kvtransfer.errors import KVPeerError
 from kvtransfer.tcp_frames import Ack, ConnectionLostError, encode_frame_header
-from kvtransfer.wire import BlockHeader
+from kvtransfer.wire import BlockHeader, ReadRequest
 
 CONNECT_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -25,7 +25,9 @@ SOCKET_BUFFER_BYTES = 4 << 20
 
 @dataclass(frozen=True, slots=True)
 class TcpJob:
-    header: BlockHeader
+    """A send (header and its blocks as payload), or a read request (no payload)."""
+
+    header: BlockHeader | ReadRequest
     src_block_ids: tuple[int, ...]
     handle: TransferHandle
     # A CUDA cache's blocks may be read once this is done (kvtransfer.staging.ready_event).

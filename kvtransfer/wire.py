@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -93,4 +94,47 @@ class BlockHeader:
             data = json.loads(blob)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed block header: {e!r}") from e
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """Asks a holder to send blocks it holds for an open request into the reader's blocks: the
+    holder writes them through its ordinary send, so the reader's inbox checks their header."""
+
+    request_id: str
+    src_block_ids: tuple[int, ...]  # the holder's blocks
+    dst_block_ids: tuple[int, ...]  # the reader's blocks, in the same order
+    reader_metadata: bytes  # the reader's PeerMetadata blob: where the holder sends them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "src_block_ids": list(self.src_block_ids),
+            "dst_block_ids": list(self.dst_block_ids),
+            "reader_metadata": base64.b64encode(self.reader_metadata).decode(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReadRequest:
+        """Raises ValueError on anything malformed: the request arrives over the network."""
+        try:
+            return cls(
+                request_id=str(data["request_id"]),
+                src_block_ids=tuple(_as_int(b, "block id") for b in data["src_block_ids"]),
+                dst_block_ids=tuple(_as_int(b, "block id") for b in data["dst_block_ids"]),
+                reader_metadata=base64.b64decode(data["reader_metadata"], validate=True),
+            )
+        except (KeyError, TypeError) as e:  # a bad base64 blob raises ValueError itself
+            raise ValueError(f"malformed read request: {e!r}") from e
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_dict()).encode()
+
+    @classmethod
+    def decode(cls, blob: bytes) -> ReadRequest:
+        try:
+            data = json.loads(blob)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed read request: {e!r}") from e
         return cls.from_dict(data)

@@ -14,7 +14,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from engine import kv_quant
-from kvtransfer import Backend, KVAgent, KVLayout, create_agent
+from kvtransfer import Backend, KVAgent, KVLayout, KVTransferError, create_agent
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -66,8 +66,11 @@ def backend_of(agents: Agents, key: str) -> str:
     return agents[key].backend
 
 
-def expect(agents: Agents, key: str, request_id: str, block_ids: Sequence[int]) -> None:
-    agents[key].expect(request_id, block_ids)
+def expect(
+    agents: Agents, key: str, request_id: str, block_ids: Sequence[int],
+    readable_block_ids: Sequence[int] = (),
+) -> None:  # fmt: skip
+    agents[key].expect(request_id, block_ids, readable_block_ids)
 
 
 def wait(agents: Agents, key: str, request_id: str, timeout_s: float) -> None:
@@ -92,12 +95,29 @@ def send(
         handle.wait(timeout_s)
 
 
+def read(
+    agents: Agents, key: str, peer_metadata: bytes, request_id: str, src: Sequence[int],
+    dst: Sequence[int], timeout_s: float,
+) -> None:  # fmt: skip
+    """A read as the prefill worker does it: a failed one is cancelled, fencing the holder."""
+    handle = agents[key].read(peer_metadata, request_id, src, dst)
+    try:
+        handle.wait(timeout_s)
+    except KVTransferError:
+        assert agents[key].cancel(request_id).is_done()
+        raise
+
+
+def close(agents: Agents, key: str) -> None:
+    agents[key].close()
+
+
 def read_cache(agents: Agents, key: str) -> torch.Tensor:
     return agents[key].kv_cache.clone()
 
 
-def bytes_sent(agents: Agents, backend: str) -> float:
-    labels = {"backend": backend, "direction": "sent"}
+def bytes_sent(agents: Agents, backend: str, direction: str = "sent") -> float:
+    labels = {"backend": backend, "direction": direction}
     return REGISTRY.get_sample_value("pdserve_kv_transfer_bytes_total", labels) or 0.0
 
 

@@ -15,8 +15,10 @@ from kv_peers import (
     block_bytes,
     bytes_sent,
     cancel,
+    close,
     create,
     expect,
+    read,
     read_cache,
     send,
     wait,
@@ -181,6 +183,97 @@ def test_sender_killed_mid_transfer_fails_only_its_request(pair: Pair) -> None:
 
     after = block_bytes(pair.receiver.call(read_cache, rx))
     assert torch.equal(after, _expected_after(before, source, [4, 5, 6, 7, 8], [10, 1, 2, 3, 4]))
+
+
+# ---- reads: the sender (prefill-like) reads blocks the receiver (decode-like) holds readable
+
+
+def test_read_copies_the_holders_blocks_byte_for_byte(pair: Pair) -> None:
+    spec = CacheSpec("float32")
+    holder, reader = pair.agent(pair.receiver, spec), pair.agent(pair.sender, spec)
+    src_ids, dst_ids = [2, 3, 5], [7, 0, 1]
+    before = pair.sender.call(read_cache, reader)
+    source = pair.receiver.call(read_cache, holder)
+    sent_before = pair.receiver.call(bytes_sent, pair.backend)
+    received_before = pair.sender.call(bytes_sent, pair.backend, "received")
+    request_id = next(_request_ids)
+
+    pair.receiver.call(expect, holder, request_id, [10], [2, 3, 5, 6])
+    pair.sender.call(read, reader, pair.metadata[holder], request_id, src_ids, dst_ids, TIMEOUT_S)
+
+    after = block_bytes(pair.sender.call(read_cache, reader))
+    assert torch.equal(after, _expected_after(before, source, src_ids, dst_ids))
+    num_bytes = 3 * BYTES_PER_BLOCK["float32"]
+    assert pair.receiver.call(bytes_sent, pair.backend) - sent_before == num_bytes
+    assert pair.sender.call(bytes_sent, pair.backend, "received") - received_before == num_bytes
+    # The holder's request goes on as a remote prefill's: the rest is sent, and it completes.
+    pair.sender.call(send, reader, pair.metadata[holder], request_id, [([4], [10])], TIMEOUT_S)
+    pair.receiver.call(wait, holder, request_id, TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "reason"),
+    [
+        ([2, 9], r"blocks \[9\] are not readable for this request"),
+        ([10], r"blocks \[10\] are not readable for this request"),  # expected, not held
+        ([40], r"blocks \[40\] are not readable for this request"),  # past the cache
+    ],
+)
+def test_read_of_blocks_not_readable_fails_and_writes_nothing(
+    pair: Pair, src_ids: list[int], reason: str
+) -> None:
+    spec = CacheSpec("float32")
+    holder, reader = pair.agent(pair.receiver, spec), pair.agent(pair.sender, spec)
+    before = pair.sender.call(read_cache, reader)
+    request_id = next(_request_ids)
+    pair.receiver.call(expect, holder, request_id, [10], [2, 3])
+
+    with pytest.raises(KVTransferError, match=f"^request {request_id}: {reason}$"):
+        dst_ids = list(range(len(src_ids)))
+        pair.sender.call(
+            read, reader, pair.metadata[holder], request_id, src_ids, dst_ids, TIMEOUT_S
+        )
+    assert torch.equal(block_bytes(pair.sender.call(read_cache, reader)), block_bytes(before))
+    pair.receiver.call(cancel, holder, request_id)
+
+
+@pytest.mark.parametrize("is_known", [False, True])
+def test_read_of_an_unknown_or_cancelled_request_is_cancelled(pair: Pair, is_known: bool) -> None:
+    spec = CacheSpec("float32")
+    holder, reader = pair.agent(pair.receiver, spec), pair.agent(pair.sender, spec)
+    request_id = next(_request_ids)
+    if is_known:  # the holder let go of the request: its blocks may be reused already
+        pair.receiver.call(expect, holder, request_id, [10], [2])
+        pair.receiver.call(cancel, holder, request_id)
+    with pytest.raises(KVCancelledError, match=f"^request {request_id}: not expected here"):
+        pair.sender.call(read, reader, pair.metadata[holder], request_id, [2], [3], TIMEOUT_S)
+
+
+def test_read_across_layouts_is_refused_by_the_reader(pair: Pair) -> None:
+    holder = pair.agent(pair.receiver, CacheSpec("bfloat16"))
+    reader = pair.agent(pair.sender, CacheSpec("float32"))
+    before = pair.sender.call(read_cache, reader)
+    request_id = next(_request_ids)
+    pair.receiver.call(expect, holder, request_id, [10], [2])
+
+    reason = "dtype: expected float32, got bfloat16"
+    with pytest.raises(KVHeaderMismatchError, match=f"^request {request_id}: {reason}$"):
+        pair.sender.call(read, reader, pair.metadata[holder], request_id, [2], [3], TIMEOUT_S)
+    assert torch.equal(block_bytes(pair.sender.call(read_cache, reader)), block_bytes(before))
+    pair.receiver.call(cancel, holder, request_id)
+
+
+def test_read_from_a_closed_agent_or_bad_metadata_fails(pair: Pair) -> None:
+    spec = CacheSpec("float32", num_blocks=2)
+    holder = pair.agent(pair.receiver, CacheSpec("float32"))
+    pair.sender.call(create, "closed", pair.backend, spec, 7)
+    pair.sender.call(close, "closed")
+    request_id = next(_request_ids)
+    with pytest.raises(KVPeerError, match=f"^request {request_id}: agent closed$"):
+        pair.sender.call(read, "closed", pair.metadata[holder], request_id, [2], [1], TIMEOUT_S)
+    reader = pair.agent(pair.sender, CacheSpec("float32"))
+    with pytest.raises(KVTransferError, match="bad peer metadata"):
+        pair.sender.call(read, reader, b"{}", next(_request_ids), [2], [1], TIMEOUT_S)
 
 
 def test_auto_prefers_nixl_here() -> None:
