@@ -19,17 +19,19 @@ from typing import TypeVar
 from engine.block_pool import CacheEvent
 from engine.errors import EngineDiedError, EngineStoppedError
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.request import StepOutput
+from engine.request import StepOutput, sample_ids
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class RequestStream:
-    """Step outputs of one request, in order, ending with the finished one."""
+    """Step outputs of one request's samples (sample_ids), in order per sample, ending once
+    every sample has its finished one."""
 
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self._num_open = len(request_ids)
         self._outputs: queue.SimpleQueue[StepOutput | BaseException] = queue.SimpleQueue()
 
     def put(self, item: StepOutput | BaseException) -> None:
@@ -41,12 +43,16 @@ class RequestStream:
             raise item
         return item
 
+    @property
+    def is_done(self) -> bool:
+        """Every sample's finished output has been read."""
+        return self._num_open == 0
+
     def __iter__(self) -> Iterator[StepOutput]:
-        while True:
+        while self._num_open > 0:
             output = self.get()
+            self._num_open -= output.finished
             yield output
-            if output.finished:
-                return
 
 
 class EngineLoop:
@@ -115,20 +121,24 @@ class EngineLoop:
         if self._ended is not None:
             raise self._ended
 
-    def open_stream(self, request_id: str) -> RequestStream:
-        """Call on the engine thread (inside call()) when a request enters the engine."""
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
+    def open_stream(self, request_id: str, n: int = 1) -> RequestStream:
+        """Call on the engine thread (inside call()) when a request enters the engine: one
+        stream for its n samples (those the engine forks later included)."""
+        stream = RequestStream(sample_ids(request_id, n))
+        for sample_id in stream.request_ids:
+            self._streams[sample_id] = stream
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Ends the request; a reader of its stream gets a final output with reason "abort"."""
+    def abort(self, request_id: str, n: int = 1) -> None:
+        """Ends the request and its samples (unforked ones are never forked); a reader of
+        their stream gets a final output with reason "abort" for each unfinished sample."""
 
         def run() -> None:
-            self.engine.abort_request(request_id)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(StepOutput(request_id, [], "", 0, True, "abort"))
+            for index, sample_id in enumerate(sample_ids(request_id, n)):
+                self.engine.abort_request(sample_id)
+                stream = self._streams.pop(sample_id, None)
+                if stream is not None:
+                    stream.put(StepOutput(sample_id, [], "", 0, True, "abort", index=index))
 
         with contextlib.suppress(EngineStoppedError):  # nothing is left to abort
             self.post(run)
@@ -182,7 +192,7 @@ class EngineLoop:
 
     def _end(self, error: EngineStoppedError) -> None:
         self._ended = error
-        for stream in self._streams.values():
+        for stream in set(self._streams.values()):
             stream.put(error)
         self._streams.clear()
         while True:
@@ -200,8 +210,13 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(time.perf_counter() - start, len(outputs))
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream.put(output)
-                if output.finished:
-                    del self._streams[output.request_id]
+            self.route(output)
+
+    def route(self, output: StepOutput) -> None:
+        """Engine thread: hands an output to its request's stream (a step's, or one a command
+        produced, such as a committed remote prefill's first token)."""
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import fields
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        if any(p.n > 1 for p in params_list):  # one output per prompt
+            raise InvalidRequestError("LLM.generate returns one sample per prompt: n must be 1")
         requests = [
             self.engine.make_request(f"offline-{next(_ids)}", prompt, p)
             for prompt, p in zip(prompts, params_list, strict=True)

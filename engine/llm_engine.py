@@ -20,7 +20,7 @@ from engine.errors import (
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, ScheduledRequest
-from engine.request import FinishReason, Request, StepOutput, TokenLogprobs
+from engine.request import SAMPLE_MARK, FinishReason, Request, StepOutput, TokenLogprobs, sample_ids
 from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -87,11 +87,16 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, index: int = 0
     ) -> Request:
-        """Validates and builds a request without queueing it (typed errors on bad input)."""
+        """Validates and builds a request without queueing it (typed errors on bad input);
+        index > 0: a sample the engine forks (sample_ids names it)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if index == 0 and SAMPLE_MARK in request_id:  # no request can take a sample's id
+            raise InvalidRequestError(
+                f"request id {request_id!r} contains {SAMPLE_MARK!r}, which names samples"
+            )
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
@@ -116,6 +121,7 @@ class LLMEngine:
             eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
             arrival_time_s=self.clock(),
             matcher=None if constraint is None else self.grammars.matcher(constraint),
+            index=index,
         )
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
@@ -141,10 +147,12 @@ class LLMEngine:
         be written by the sender before commit_remote_prefill. Refuses (EngineBusyError) what
         the scheduler would not admit either: past max_num_seqs, or past the watermark."""
         num_seqs = len(self.scheduler.running) + self._num_awaiting_kv()
-        if num_seqs >= self.config.max_num_seqs:
+        # Its n samples all join the batch; an idle engine takes any n (the rest queue).
+        if num_seqs > 0 and num_seqs + params.n > self.config.max_num_seqs:
+            samples = f"; its {params.n} samples would pass it" if params.n > 1 else ""
             raise EngineBusyError(
                 f"{num_seqs} requests are running or awaiting KV; max_num_seqs is "
-                f"{self.config.max_num_seqs}"
+                f"{self.config.max_num_seqs}{samples}"
             )
         request = self.make_request(request_id, prompt, params)
         request.num_cached_tokens = self.kv.match_prefix(request)
@@ -252,6 +260,8 @@ class LLMEngine:
         if request.first_token_time_s is None:
             request.first_token_time_s = self.clock()
         request.token_ids.append(token_id)
+        if request.num_output_tokens == 1 and request.params.n > 1:
+            self._fork(request)
         params = request.params
         hit = request.output.add(token_id, params, self.tokenizer.eos_token_id)
         if request.matcher is not None:
@@ -276,7 +286,19 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             logprobs=tuple(request.logprobs[-1:]) if request.params.logprobs is not None else (),
+            index=request.index,
         )
+
+    def _fork(self, request: Request) -> None:
+        """Sample 0's prompt KV is computed (and its full blocks cached, before this first
+        token): samples 1..n-1 queue for the same prompt and hit the prefix cache for every
+        full block, recomputing at most the last one, each with its own RNG stream."""
+        prompt = request.prompt_token_ids
+        for index, sample_id in enumerate(sample_ids(request.request_id, request.params.n)):
+            if index > 0:
+                self.enqueue(
+                    self.make_request(sample_id, prompt, request.params.sample(index), index)
+                )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.is_finished:
@@ -308,4 +330,6 @@ class LLMEngine:
 
 
 def _progress(request: Request) -> StepOutput:
-    return StepOutput(request.request_id, [], "", request.num_computed_tokens, False, None)
+    return StepOutput(
+        request.request_id, [], "", request.num_computed_tokens, False, None, index=request.index
+    )

@@ -50,6 +50,7 @@ class Request:
     first_token_time_s: float | None = None
     # With params.structured_output: the grammar's state after every token so far.
     matcher: LLMatcher | None = None
+    index: int = 0  # which of its request's params.n samples this is (sample 0: the request)
 
     def __post_init__(self) -> None:
         self.output = OutputText(self.detokenizer)
@@ -118,3 +119,12 @@ class StepOutput:
     finish_reason: FinishReason | None
     stop_reason: StopReason = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # for new_token_ids, with params.logprobs
+    index: int = 0  # the request's sample (Request.index)
+
+
+SAMPLE_MARK = "#"  # in a sample's request id only: no request's own id may contain it
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a request's n samples, by index: sample 0 is the request."""
+    return [request_id] + [f"{request_id}{SAMPLE_MARK}{i}" for i in range(1, n)]

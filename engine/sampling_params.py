@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from engine.errors import InvalidRequestError
@@ -13,6 +13,7 @@ from engine.errors import InvalidRequestError
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, as in OpenAI's API and vLLM
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's limit
+MAX_N = 16  # samples per request: each is a sequence in the batch, all admitted at once
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -48,6 +49,10 @@ class SamplingParams:
     # With a number k: each output token's logprob and the k most likely alternatives, raw (the
     # model's log-softmax, before any option above changes the logits, as vLLM's default).
     logprobs: int | None = None
+    # Samples of the prompt: sample 0 is the request itself; once its prompt is computed, the
+    # engine forks samples 1..n-1 (engine/llm_engine.py), which find the prompt's KV in the
+    # prefix cache, each with its own RNG stream (seed + i when seeded).
+    n: int = 1
     stop: Sequence[str] = field(default=())
     stop_token_ids: Sequence[int] = field(default=())
     ignore_eos: bool = False
@@ -79,6 +84,8 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
         self._check_logit_bias()
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}] (or unset), got {self.logprobs}"
@@ -112,6 +119,12 @@ class SamplingParams:
                     f"logit_bias for token {token_id} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
                     f"{MAX_ABS_LOGIT_BIAS:g}], got {bias}"
                 )
+
+    def sample(self, index: int) -> SamplingParams:
+        """Sample index's own parameters: one sample, seeded seed + index (mod 2**64, a
+        proto uint64) when the request is seeded."""
+        seed = None if self.seed is None else (self.seed + index) % (1 << 64)
+        return replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:
