@@ -24,8 +24,9 @@ import kvtransfer
 from decode_service import metrics
 from decode_service.quarantine import Quarantine
 from engine import InvalidRequestError, SamplingParams
+from engine.engine_loop import RequestStream
 from engine.errors import EngineDiedError
-from engine.request import Request, StepOutput
+from engine.request import Request
 from pdserve import wire
 from pdserve.tls import open_channel
 from pdserve.v1 import generation_pb2 as pb
@@ -131,6 +132,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     ):  # fmt: skip
         prompt = list(request.prompt_token_ids)
         params = wire.sampling_params(request.params)
+        n = params.n
         remaining_s = context.time_remaining()
         deadline_s = time.monotonic() + min(
             math.inf if remaining_s is None else remaining_s, self.settings.prefill_timeout_s
@@ -147,14 +149,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         # Runs when the call ends for any reason: in the prefill phase it only interrupts (the
         # handler fences, then frees); once decoding, the engine aborts (a no-op if finished).
         context.add_callback(
-            lambda: watch.interrupt(CallerGoneError("the caller went away")) or loop.abort(rid)
+            lambda: watch.interrupt(CallerGoneError("the caller went away")) or loop.abort(rid, n)
         )
         bucket = self.runtime.settings.length_buckets.of(len(prompt))
         started = time.monotonic()
         finished = False
         try:
             prefill: wpb.PrefillResponse | None = None
-            first: StepOutput | None = None
             try:
                 if not aggregated:
                     prefill = self._remote_prefill(
@@ -171,18 +172,20 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                 if prefill is not None:
                     metrics.PREFILL_SECONDS.labels(bucket).observe(time.monotonic() - started)
                     watch.begin_decoding()
-                    first, stream = loop.call(lambda: self._commit(rid, prefill))
+                    stream = loop.call(lambda: self._commit(rid, prefill, n))
             ttft_sent = False
-            for output in _chain(first, stream):
+            num_output_tokens = 0  # every sample's
+            for output in stream:
                 message = wire.response(output)
+                num_output_tokens += len(output.new_token_ids)
                 if output.new_token_ids and not ttft_sent:
                     ttft_sent = True
                     message.ttft.CopyFrom(_ttft(request, prefill, started))
                     if aggregated:  # queue and chunked prefill here are one span
                         message.ttft.prefill_compute_s = time.monotonic() - started
-                if output.finished:
+                if stream.is_done:  # the last sample's last message
                     finished = True
-                    message.usage.CopyFrom(self._usage(reserved, prefill))
+                    message.usage.CopyFrom(self._usage(reserved, prefill, num_output_tokens))
                 yield message
             metrics.REQUESTS.labels("ok").inc()
         except InvalidRequestError:
@@ -190,25 +193,29 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             raise
         finally:
             if not finished:
-                loop.abort(rid)
+                loop.abort(rid, n)
 
-    def _commit(self, rid: str, prefill: wpb.PrefillResponse):
-        """Engine thread: the first token joins, and later tokens flow into a new stream (no
-        step can run in between, so none is missed)."""
+    def _commit(self, rid: str, prefill: wpb.PrefillResponse, n: int) -> RequestStream:
+        """Engine thread: the first token joins, then the samples' later tokens (no step can
+        run in between, so none is missed), in one stream; the first token forks samples
+        1..n-1 (LLMEngine._fork)."""
         if rid not in self.engine.requests:  # aborted after its KV landed
             raise CallerGoneError("the caller went away")
         first_logprobs = None
         if prefill.HasField("first_token_logprobs"):
             first_logprobs = wire.token_logprobs(prefill.first_token_logprobs)
-        first = self.engine.commit_remote_prefill(
+        stream = self.loop.open_stream(rid, n)
+        self.loop.route(self.engine.commit_remote_prefill(
             rid, prefill.first_token_id, prefill.sampler_state, first_logprobs
-        )
-        return first, None if first.finished else self.loop.open_stream(rid)
+        ))  # fmt: skip
+        return stream
 
-    def _restart_locally(self, rid: str, prompt: list[int], params: SamplingParams):
+    def _restart_locally(
+        self, rid: str, prompt: list[int], params: SamplingParams
+    ) -> RequestStream:
         self.engine.abort_request(rid)
         self.engine.add_request(rid, prompt, params)
-        return self.loop.open_stream(rid)
+        return self.loop.open_stream(rid, params.n)
 
     def _start_locally(self, rid: str, prompt: list[int], params: SamplingParams):
         """Engine thread, aggregated: the request and its token stream (usage reads it)."""
@@ -321,20 +328,16 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                 self._channels[address] = worker_pb2_grpc.PrefillStub(channel)
             return self._channels[address]
 
-    def _usage(self, reserved: Request, prefill: wpb.PrefillResponse | None) -> pb.Usage:
+    def _usage(
+        self, reserved: Request, prefill: wpb.PrefillResponse | None, num_output_tokens: int
+    ) -> pb.Usage:
+        """The prompt once (sample 0's prefix hits), the output tokens of every sample."""
         cached = reserved.num_cached_tokens if self.settings.aggregated else 0
         return pb.Usage(
             prompt_tokens=reserved.num_prompt_tokens,
-            completion_tokens=reserved.num_output_tokens,
+            completion_tokens=num_output_tokens,
             cached_prompt_tokens=prefill.num_prefix_hit_tokens if prefill else cached,
         )
-
-
-def _chain(first: StepOutput | None, stream):
-    if first is not None:
-        yield first
-    if stream is not None:
-        yield from stream
 
 
 def _ttft(request: wpb.DecodeRequest, prefill, started: float) -> pb.TtftBreakdown:

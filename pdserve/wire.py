@@ -61,7 +61,7 @@ def statuses(context: grpc.ServicerContext) -> Iterator[None]:
 
 _OPTIONAL_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logprobs",
+    "frequency_penalty", "repetition_penalty", "logprobs", "n",
 )  # fmt: skip
 
 
@@ -100,6 +100,7 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
         min_tokens=params.min_tokens,
         logit_bias=params.logit_bias,
         logprobs=params.logprobs,
+        n=params.n,
         structured_output=structured_output_proto(params.structured_output),
     )
 
@@ -129,6 +130,7 @@ def response(output: StepOutput) -> pb.GenerateResponse:
         token_ids=output.new_token_ids,
         text=output.text_delta,
         finish_reason=output.finish_reason or "",
+        index=output.index,
     )
     set_stop_reason(message, output.stop_reason)
     message.logprobs.extend(logprobs_proto(lp) for lp in output.logprobs)

@@ -58,10 +58,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self._check_destination(len(prompt), dest)
         remaining_s = context.time_remaining()
         deadline_s = time.monotonic() + (DEFAULT_TIMEOUT_S if remaining_s is None else remaining_s)
-        # The prefill engine samples only the first token; stop rules are the decode's job,
-        # but the first token obeys min_tokens too (EOS and stop tokens suppressed).
+        # The prefill engine samples only the first token (of sample 0: the decode worker
+        # forks the others); stop rules are the decode's job, but the first token obeys
+        # min_tokens too (EOS and stop tokens suppressed).
         asked = wire.sampling_params(request.params)
-        params = replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1))
+        params = replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1), n=1)
         job = PrefillJob(rid, dest.agent_metadata, list(dest.block_ids), dest.num_cached_blocks)
         loop = self.runtime.loop
 
