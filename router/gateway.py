@@ -35,11 +35,21 @@ from router.errors import (
 )
 from router.migration import ResumedText
 from router.settings import RouterSettings
-from router.ticket import Ticket, affinity_key
+from router.ticket import Ticket, affinity_key, kv_blocks_held
 from router.upstream import DecodeClient, error_of
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """A run's messages gathered: each sample's whole response, by index, and the request's
+    usage (every sample's tokens) and time to first token."""
+
+    samples: list[pb.GenerateResponse]
+    usage: pb.Usage
+    ttft: pb.TtftBreakdown | None  # None when no token came
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +141,9 @@ class Gateway:
                 f"{num_prompt + params.max_tokens}", "max_tokens",
             )  # fmt: skip
         arrival_s = time.monotonic()
-        ticket = self.ticket(uuid.uuid4().hex, prompt_token_ids, params.max_tokens, arrival_s)
+        ticket = self.ticket(
+            uuid.uuid4().hex, prompt_token_ids, params.max_tokens, arrival_s, num_seqs=params.n
+        )
         timeout_s = self.settings.request_timeout_s
         if client_timeout_s is not None:
             timeout_s = min(timeout_s, client_timeout_s)
@@ -140,21 +152,24 @@ class Gateway:
 
     def ticket(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, arrival_s: float,
-        excluded_decode_ids: frozenset[str] = frozenset(),
+        excluded_decode_ids: frozenset[str] = frozenset(), num_seqs: int = 1,
     ) -> Ticket:  # fmt: skip
         admission = self.settings.admission
         num_prompt = len(prompt_token_ids)
-        num_reserved = num_prompt + min(max_tokens, admission.kv_output_reserve_tokens)
+        num_reserved = min(max_tokens, admission.kv_output_reserve_tokens)
         return Ticket(
             request_id=request_id,
             num_prompt_tokens=num_prompt,
             max_tokens=max_tokens,
-            num_kv_blocks=-(-num_reserved // admission.kv_block_size),
+            num_kv_blocks=kv_blocks_held(
+                num_prompt, num_reserved, admission.kv_block_size, num_seqs
+            ),
             bucket=admission.buckets.of(num_prompt),
             arrival_s=arrival_s,
             affinity_key=affinity_key(prompt_token_ids),
             excluded_decode_ids=excluded_decode_ids,
             block_hashes=prompt_block_hashes(prompt_token_ids, admission.kv_block_size),
+            num_seqs=num_seqs,
         )
 
     async def open(self, job: Job) -> Run:
@@ -190,21 +205,38 @@ class Run:
         self._resumed: ResumedText | None = None  # the router's own text, once moved
         self._last_token_s: float | None = None
         self._leg_has_token = False
-        self._finished = False
+        self._num_open = job.params.n  # samples without their finish reason yet
 
     async def start(self) -> None:
         await self._dispatch()
         self.first = await self._next()
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        """Every message, the first included, up to the one with a finish reason."""
+        """Every message, the first included, up to the last sample's finish reason."""
         assert self.first is not None, "start() first"
         message = self.first
         while True:
             yield message
-            if message.finish_reason:
+            if self._num_open == 0:
                 return
             message = await self._next()
+
+    async def gather(self) -> Whole:
+        """Every message, into each sample's whole response (a response not streamed)."""
+        samples = [pb.GenerateResponse(index=i) for i in range(self.job.params.n)]
+        usage, ttft = pb.Usage(), None
+        async for message in self.messages():
+            whole = samples[message.index]
+            whole.token_ids.extend(message.token_ids)
+            whole.logprobs.extend(message.logprobs)
+            whole.text += message.text
+            whole.finish_reason = message.finish_reason
+            wire.set_stop_reason(whole, wire.stop_reason_of(message))
+            if message.HasField("ttft"):
+                ttft = message.ttft
+            if message.HasField("usage"):
+                usage = message.usage
+        return Whole(samples, usage, ttft)
 
     def close(self) -> None:
         """Synchronous on purpose: it runs in `finally` blocks of cancelled tasks."""
@@ -283,6 +315,9 @@ class Run:
             # The new worker's grammar would start over inside an output already half
             # written: the client gets the error instead of output that breaks its schema.
             raise error
+        if is_migration and self.job.params.n > 1:
+            # A move resumes one token sequence; n samples are n sequences on one worker.
+            raise error
         excluded = self.ticket.excluded_decode_ids | {lost_id}
         decoders = gateway.pool.infos("decode") + gateway.pool.infos("aggregated")
         if all(w.worker_id in excluded for w in decoders):
@@ -324,12 +359,14 @@ class Run:
                     completion_tokens=len(self.output_token_ids) + len(message.token_ids),
                     cached_prompt_tokens=min(worker_usage.cached_prompt_tokens, num_prompt),
                 ))  # fmt: skip
-        self.output_token_ids.extend(message.token_ids)
+        self.output_token_ids.extend(message.token_ids)  # every sample's (moves have one)
         self.num_sent_chars += len(message.text)
         if message.token_ids:
             self._observe_token(message)
         if message.finish_reason:
-            self._observe_finish()
+            self._num_open -= 1
+            if self._num_open == 0:
+                self._observe_finish()
         return message
 
     def _observe_token(self, message: pb.GenerateResponse) -> None:
@@ -350,13 +387,13 @@ class Run:
             }  # fmt: skip
             for part, seconds in parts.items():
                 metrics.TTFT_PART.labels(part, bucket).observe(seconds)
+        elif message.index > 0:
+            return  # the gaps between one sequence's tokens: sample 0's
         else:
             gap_s = (now - self._last_token_s) / len(message.token_ids)
             metrics.INTER_TOKEN.labels(lease.decode.worker_id).observe(gap_s)
         self._last_token_s = now
 
     def _observe_finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            elapsed_s = time.monotonic() - self.job.received_s
-            metrics.E2E.labels(self.job.ticket.bucket).observe(elapsed_s)
+        elapsed_s = time.monotonic() - self.job.received_s
+        metrics.E2E.labels(self.job.ticket.bucket).observe(elapsed_s)

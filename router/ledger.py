@@ -20,6 +20,7 @@ class Assignment:
     amount: int  # prefill: prompt tokens; decode: KV blocks
     started_at: float
     ended_at: float | None = None
+    count: int = 1  # requests; decode: sequences (a request with n samples runs n)
 
     def active_at(self, t: float) -> bool:
         return self.started_at <= t and (self.ended_at is None or self.ended_at > t)
@@ -39,8 +40,8 @@ class Ledger:
     clock: Callable[[], float] = time.time
     _by_worker: dict[str, list[Assignment]] = field(default_factory=dict)
 
-    def add(self, worker_id: str, amount: int) -> Assignment:
-        assignment = Assignment(worker_id, amount, self.clock())
+    def add(self, worker_id: str, amount: int, count: int = 1) -> Assignment:
+        assignment = Assignment(worker_id, amount, self.clock(), count=count)
         self._by_worker.setdefault(worker_id, []).append(assignment)
         return assignment
 
@@ -53,7 +54,7 @@ class Ledger:
         """This router's assignments on the worker that are active now (or were at `at`)."""
         t = self.clock() if at is None else at
         active = [a for a in self._by_worker.get(worker_id, ()) if a.active_at(t)]
-        return Share(sum(a.amount for a in active), len(active))
+        return Share(sum(a.amount for a in active), sum(a.count for a in active))
 
     def corrected(self, worker_id: str, reported: Share, reported_at: float) -> Share:
         self._prune(worker_id, reported_at)

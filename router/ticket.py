@@ -17,7 +17,7 @@ class Ticket:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
-    num_kv_blocks: int  # decode KV held at admission: prompt + an output reserve
+    num_kv_blocks: int  # decode KV held at admission: prompt + an output reserve per sample
     bucket: LengthBucket
     arrival_s: float  # monotonic clock
     affinity_key: bytes  # the prompt's leading tokens, hashed (for the hash policy)
@@ -25,10 +25,21 @@ class Ticket:
     excluded_decode_ids: frozenset[str] = frozenset()
     # The prompt's chained block hashes (engine.prefix_hash), for the prefix scorers.
     block_hashes: tuple[bytes, ...] = ()
+    num_seqs: int = 1  # sequences in the decode batch: the request's n samples
 
     @property
     def num_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.max_tokens
+
+
+def kv_blocks_held(
+    num_prompt_tokens: int, num_output_tokens: int, block_size: int, num_seqs: int = 1
+) -> int:
+    """Decode KV blocks for num_seqs samples of one prompt, each num_output_tokens long: the
+    prompt's full blocks are shared by every sample (the prefix cache), the rest are each's."""
+    num_shared = num_prompt_tokens // block_size
+    num_own = -(-(num_prompt_tokens + num_output_tokens) // block_size) - num_shared
+    return num_shared + num_seqs * num_own
 
 
 def affinity_key(prompt_token_ids: list[int]) -> bytes:

@@ -66,9 +66,9 @@ class WorkerPool:
     def views(self, role: Role) -> list[WorkerView]:
         return [self._view(role, info) for info in self._infos[role]]
 
-    def assign(self, side: Role, worker_id: str, amount: int) -> Assignment:
-        """side: "prefill" (prompt tokens) or "decode" (KV blocks)."""
-        return self.ledgers[side].add(worker_id, amount)
+    def assign(self, side: Role, worker_id: str, amount: int, count: int = 1) -> Assignment:
+        """side: "prefill" (prompt tokens) or "decode" (KV blocks, count: sequences)."""
+        return self.ledgers[side].add(worker_id, amount, count)
 
     def release(self, side: Role, assignment: Assignment) -> None:
         self.ledgers[side].end(assignment)

@@ -36,18 +36,22 @@ class WorkerProcess:
         self.process.send_signal(signal.SIGTERM)
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample from the worker's Prometheus /metrics (0.0 when not yet exported)."""
         assert self.info is not None
-        text = urllib.request.urlopen(self.info.metrics_url, timeout=5).read().decode()
-        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        pattern = rf"^{re.escape(name)}(\{{{re.escape(wanted)}\}})? (\S+)$" if wanted else (
-            rf"^{re.escape(name)} (\S+)$"
-        )  # fmt: skip
-        for line in text.splitlines():
-            match = re.match(pattern, line)
-            if match:
-                return float(match.groups()[-1])
-        return 0.0
+        return metric(self.info.metrics_url, name, **labels)
+
+
+def metric(metrics_url: str, name: str, **labels: str) -> float:
+    """One sample from a worker's Prometheus /metrics (0.0 when not yet exported)."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = rf"^{re.escape(name)}(\{{{re.escape(wanted)}\}})? (\S+)$" if wanted else (
+        rf"^{re.escape(name)} (\S+)$"
+    )  # fmt: skip
+    for line in text.splitlines():
+        match = re.match(pattern, line)
+        if match:
+            return float(match.groups()[-1])
+    return 0.0
 
 
 @dataclass

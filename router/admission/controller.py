@@ -169,7 +169,9 @@ class Admission:
             num_to_prefill -= choice.prefill_overlap_tokens
         holds: dict[Role, Assignment] = {
             "prefill": self.pool.assign("prefill", prefill.worker_id, num_to_prefill),
-            "decode": self.pool.assign("decode", decode.worker_id, ticket.num_kv_blocks),
+            "decode": self.pool.assign(
+                "decode", decode.worker_id, ticket.num_kv_blocks, ticket.num_seqs
+            ),
         }
         now_s = self.clock()
         self.drain.started(prefill.worker_id, now_s)

@@ -42,22 +42,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         run = await self._open(request, context, "Complete")
-        whole = pb.GenerateResponse()
         try:
-            async for message in run.messages():
-                whole.token_ids.extend(message.token_ids)
-                whole.logprobs.extend(message.logprobs)
-                whole.text += message.text
-                whole.finish_reason = message.finish_reason
-                wire.set_stop_reason(whole, wire.stop_reason_of(message))
-                if message.HasField("ttft"):
-                    whole.ttft.CopyFrom(message.ttft)
-                if message.HasField("usage"):
-                    whole.usage.CopyFrom(message.usage)
+            gathered = await run.gather()
         except RouterError as e:
             await _abort(context, e, "Complete")
         finally:
             run.close()
+        # Sample 0 at the top level, as with n = 1; with n > 1 every sample in choices too.
+        whole = pb.GenerateResponse()
+        whole.CopyFrom(gathered.samples[0])
+        if len(gathered.samples) > 1:
+            whole.choices.extend(gathered.samples)
+        whole.usage.CopyFrom(gathered.usage)
+        if gathered.ttft is not None:
+            whole.ttft.CopyFrom(gathered.ttft)
         whole.request_id = request.request_id or run.job.ticket.request_id
         metrics.REQUESTS.labels("grpc/Complete", "OK").inc()
         return whole

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from engine import SamplingParams
+from pdserve import wire
 from pdserve.registry import ROLES
 from router import metrics
 from router.auth import check_bearer
@@ -26,7 +27,7 @@ from router.http_api.openai_format import Kind, Logprobs, Responder, error_body,
 from router.http_api.openapi import declare_request_bodies
 from router.http_api.request_id import RequestId, check_request_id
 from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
-from router.http_api.streaming import ClientGone, collect, sse_events, until_disconnect
+from router.http_api.streaming import ClientGone, sse_events, until_disconnect
 from router.ledger import Share
 from router.workers import WorkerView
 
@@ -156,9 +157,11 @@ async def _respond(
     log.info("%s %s is request %s %s", request.url.path, client_id, job.ticket.request_id,
              body.who() or "")  # fmt: skip
     run = await until_disconnect(request, gateway.open(job))
-    logprobs = None
+    logprobs: tuple[Logprobs, ...] = ()
     if job.params.logprobs is not None:
-        logprobs = Logprobs(kind, gateway.token_text, text_offset=len(echo))
+        logprobs = tuple(
+            Logprobs(kind, gateway.token_text, text_offset=len(echo)) for _ in range(job.params.n)
+        )
     responder = Responder(kind, client_id, gateway.settings.model, logprobs)
     if body.stream:  # from here on the status is 200; a later error goes in-band
         metrics.REQUESTS.labels(request.url.path, "200").inc()
@@ -166,14 +169,21 @@ async def _respond(
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
-        done = await until_disconnect(request, collect(run))
+        whole = await until_disconnect(request, run.gather())
     finally:
         run.close()
     metrics.REQUESTS.labels(request.url.path, "200").inc()
-    lp_json = None if logprobs is None else logprobs.json(done.logprobs)
-    return JSONResponse(responder.response(
-        echo + done.text, done.finish_reason, done.stop_reason, done.usage, lp_json
-    ))  # fmt: skip
+    choices = [
+        responder.choice(
+            sample.index,
+            echo + sample.text,
+            sample.finish_reason,
+            wire.stop_reason_of(sample),
+            logprobs[sample.index].json(sample.logprobs) if logprobs else None,
+        )
+        for sample in whole.samples
+    ]
+    return JSONResponse(responder.response(choices, whole.usage))
 
 
 def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:

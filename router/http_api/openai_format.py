@@ -87,38 +87,44 @@ def _floor(logprob: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Responder:
-    """Builds one request's responses, in the completions or the chat shape."""
+    """Builds one request's responses, in the completions or the chat shape; choice i is
+    sample i of the request's n."""
 
     kind: Kind
     request_id: str
     model: str
-    logprobs: Logprobs | None = None  # when the request asks for them
+    logprobs: tuple[Logprobs, ...] = ()  # one per choice, when the request asks for them
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def response(
-        self, text: str, finish_reason: str, stop_reason: StopReason, usage: pb.Usage,
+    def choice(
+        self, index: int, text: str, finish_reason: str, stop_reason: StopReason,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """stop_reason is vLLM's: the stop string or token id that ended it (None for EOS)."""
+        """A whole response's choice. stop_reason is vLLM's: the stop string or token id that
+        ended it (None for EOS)."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+            choice = {"index": index, "text": text}
+        return choice | {
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason
+        }  # fmt: skip
+
+    def response(self, choices: list[dict[str, Any]], usage: pb.Usage) -> dict[str, Any]:
         object_ = "chat.completion" if self.kind == "chat" else "text_completion"
-        return self._envelope(object_, [choice]) | {"usage": usage_json(usage)}
+        return self._envelope(object_, choices) | {"usage": usage_json(usage)}
 
     def chunk(
         self, text: str, finish_reason: str | None, stop_reason: StopReason = None, *,
-        first: bool = False, logprobs: dict[str, Any] | None = None,
+        index: int = 0, first: bool = False, logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         if self.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": index, "text": text}
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._envelope(self._chunk_object, [choice])
 

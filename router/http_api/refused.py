@@ -26,7 +26,6 @@ _MISSING = object()
 
 # Sampling options the sampler does not have yet.
 SAMPLING = (
-    Refused("n", "one choice per request: send n=1", (None, 1)),
     Refused("use_beam_search", "no beam search", (None, False)),
     Refused("length_penalty", "only beam search uses it", (None, 1)),
     Refused("allowed_token_ids", "no per-request token mask"),
@@ -71,7 +70,7 @@ STRUCTURED = (
 CHAT_TEMPLATE = Refused("chat_template", "only the model's own chat template")
 COMPLETION = (
     *SAMPLING, *SERVER, *STRUCTURED,
-    Refused("best_of", "one sample per request", (None, 1)),
+    Refused("best_of", "no ranking of samples, as in vLLM V1: send n", (None, 1)),
     Refused("suffix", "the model has no fill-in-the-middle template", (None, "")),
     Refused("prompt_embeds", "prompts are text or token ids"),
 )  # fmt: skip

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.errors import InvalidRequestError
 from engine.grammar import grammar_of
-from engine.sampling_params import GrammarKind, StructuredOutput
+from engine.sampling_params import MAX_N, GrammarKind, StructuredOutput
 from router.errors import InvalidRequest
 from router.http_api import refused as refused_fields
 from router.http_api.refused import Refused
@@ -133,6 +133,7 @@ class GenerationBody(StructuredFields):
     top_p: Finite | None = None
     top_k: Annotated[int, Field(lt=1 << 32)] | None = None  # proto uint32; < 1 is the engine's
     seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, sample i seeded seed + i
     stop: str | list[str] | None = None
     stop_token_ids: list[UInt32] | None = None
     ignore_eos: bool = False
@@ -156,9 +157,9 @@ class GenerationBody(StructuredFields):
 
     def sampling_fields(self) -> dict[str, Any]:
         """Only what the client set: the engine's defaults apply to the rest."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                 "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "min_tokens", "logit_bias")  # fmt: skip
+        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop",
+                 "stop_token_ids", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens", "logit_bias")  # fmt: skip
         fields = {name: value for name in names if (value := getattr(self, name)) is not None}
         return fields | {
             "ignore_eos": self.ignore_eos,

@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import Request
 
-from engine.stop import StopReason
 from pdserve import wire
 from pdserve.v1 import generation_pb2 as pb
 from router.errors import RouterError, status_of
@@ -52,27 +50,35 @@ async def sse_events(
     run: Run, responder: Responder, include_usage: bool, continuous_usage: bool = False,
     echo: str = "",
 ) -> AsyncIterator[bytes]:  # fmt: skip
-    """One event per message with text or a finish reason; the run is closed however the
-    stream ends (Starlette cancels it when the client disconnects). echo: text sent before
-    the completion's own; continuous_usage: vLLM's usage so far in every chunk."""
+    """One event per message with text or a finish reason, for the choice (sample) it is
+    from; the run is closed however the stream ends (Starlette cancels it when the client
+    disconnects). echo: text sent before each choice's own; continuous_usage: vLLM's usage
+    so far in every chunk."""
     try:
-        if responder.kind == "chat":
-            yield sse(responder.chunk("", None, first=True))
-        if echo:
-            yield sse(responder.chunk(echo, None))
+        num_choices = run.job.params.n
+        for index in range(num_choices):
+            if responder.kind == "chat":
+                yield sse(responder.chunk("", None, index=index, first=True))
+            if echo:
+                yield sse(responder.chunk(echo, None, index=index))
         usage = pb.Usage()
-        pending: list[pb.TokenLogprobs] = []  # tokens whose text is held back (stop strings)
+        # Per choice: tokens whose text is held back (stop strings).
+        pending: list[list[pb.TokenLogprobs]] = [[] for _ in range(num_choices)]
         async for message in run.messages():
             if message.HasField("usage"):
                 usage = message.usage
-            pending.extend(message.logprobs)
+            index = message.index
+            pending[index].extend(message.logprobs)
             if message.text or message.finish_reason:
                 stop_reason = wire.stop_reason_of(message)
-                logprobs = None if responder.logprobs is None else responder.logprobs.json(pending)
-                pending = []
+                logprobs = None
+                if responder.logprobs:
+                    logprobs = responder.logprobs[index].json(pending[index])
+                pending[index] = []
                 chunk = responder.chunk(
-                    message.text, message.finish_reason or None, stop_reason, logprobs=logprobs
-                )
+                    message.text, message.finish_reason or None, stop_reason, index=index,
+                    logprobs=logprobs,
+                )  # fmt: skip
                 if continuous_usage:
                     chunk["usage"] = usage_json(_usage_so_far(run, message))
                 yield sse(chunk)
@@ -91,27 +97,3 @@ def _usage_so_far(run: Run, message: pb.GenerateResponse) -> pb.Usage:
         return message.usage
     num_prompt = run.job.ticket.num_prompt_tokens
     return pb.Usage(prompt_tokens=num_prompt, completion_tokens=len(run.output_token_ids))
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    text: str
-    finish_reason: str
-    stop_reason: StopReason
-    usage: pb.Usage
-    logprobs: list[pb.TokenLogprobs]  # one per token, when the request asks
-
-
-async def collect(run: Run) -> Completion:
-    """The whole completion."""
-    pieces: list[str] = []
-    logprobs: list[pb.TokenLogprobs] = []
-    finish_reason, stop_reason, usage = "", None, pb.Usage()
-    async for message in run.messages():
-        pieces.append(message.text)
-        logprobs.extend(message.logprobs)
-        finish_reason = message.finish_reason or finish_reason
-        stop_reason = wire.stop_reason_of(message)  # the last message's
-        if message.HasField("usage"):
-            usage = message.usage
-    return Completion("".join(pieces), finish_reason, stop_reason, usage, logprobs)

@@ -20,7 +20,7 @@ import torch
 from pdserve.registry import WorkerInfo, WorkerLoad
 from router.server import RouterServer
 from router.settings import RouterSettings
-from router.ticket import Ticket, affinity_key
+from router.ticket import Ticket, affinity_key, kv_blocks_held
 from router.workers import WorkerPool
 
 MODEL = "smollm2-135m"
@@ -44,7 +44,7 @@ def worker(
 
 def ticket(
     request_id: str, num_prompt_tokens: int, *, arrival_s: float = 0.0, max_tokens: int = 16,
-    bucket: str | None = None, prompt: list[int] | None = None,
+    bucket: str | None = None, prompt: list[int] | None = None, num_seqs: int = 1,
 ) -> Ticket:  # fmt: skip
     from pdserve.lengths import LengthBuckets
 
@@ -52,10 +52,11 @@ def ticket(
         request_id=request_id,
         num_prompt_tokens=num_prompt_tokens,
         max_tokens=max_tokens,
-        num_kv_blocks=-(-(num_prompt_tokens + max_tokens) // 16),
+        num_kv_blocks=kv_blocks_held(num_prompt_tokens, max_tokens, 16, num_seqs),
         bucket=bucket or LengthBuckets().of(num_prompt_tokens),  # type: ignore[arg-type]
         arrival_s=arrival_s,
         affinity_key=affinity_key(prompt or [num_prompt_tokens]),
+        num_seqs=num_seqs,
     )
 
 

@@ -11,6 +11,7 @@ from router.admission import Admission, AdmissionQueue
 from router.errors import Overloaded, Unavailable
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
+from router.ticket import kv_blocks_held
 
 LENGTH_AWARE = AdmissionSettings(medium_delay_s=2.0, long_delay_s=8.0).delays_s()
 FIFO = AdmissionSettings(mode="fifo").delays_s()
@@ -187,5 +188,35 @@ def test_lease_records_queue_wait_and_hands_back_both_workers():
         lease.end()
         lease.end()  # idempotent
         assert pool.views("decode")[0].free_blocks == 1024
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "num_output", "num_seqs", "expected"),
+    [
+        (320, 16, 1, 21),  # 20 full prompt blocks + 1 for the output
+        (320, 16, 3, 23),  # the 20 shared, 1 each
+        (330, 16, 3, 20 + 3 * 2),  # the partial last prompt block is each sample's own
+        (10, 128, 4, 4 * 9),  # no full prompt block to share
+    ],
+)
+def test_kv_hold_shares_the_prompts_full_blocks_among_samples(
+    num_prompt, num_output, num_seqs, expected
+):
+    assert kv_blocks_held(num_prompt, num_output, 16, num_seqs) == expected
+
+
+def test_a_request_with_n_samples_holds_n_sequences_on_its_decode_worker():
+    async def scenario() -> None:
+        adm = admission(*ONE_OF_EACH)
+        lease = await adm.admit(ticket("r", 320, max_tokens=16, num_seqs=3))
+        (decode,) = adm.pool.views("decode")
+        assert (decode.running_requests, decode.free_blocks) == (3, 1024 - 23)
+        (prefill,) = adm.pool.views("prefill")
+        assert prefill.queued_requests == 1  # one prefill for the three
+        lease.end()
+        (decode,) = adm.pool.views("decode")
+        assert (decode.running_requests, decode.free_blocks) == (0, 1024)
 
     asyncio.run(scenario())

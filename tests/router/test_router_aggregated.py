@@ -96,6 +96,22 @@ def test_aggregated_cluster_gives_the_engines_greedy_tokens(up, llm, reference):
                          length_bucket=bucket) == 1  # fmt: skip
 
 
+def test_n_samples_on_the_aggregated_worker(up, llm):
+    """Sample 0 prefills, its first token forks the others onto its cached prompt blocks;
+    seeded, sample i is the engine's n = 1 output seeded seed + i."""
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=99, n=3)
+    with one_torch_thread():
+        want = llm.generate([SHORT] * 3, [params.sample(i) for i in range(3)])
+    request = pb.GenerateRequest(text=SHORT, params=pb.SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=1.0, seed=99, n=3,
+    ))  # fmt: skip
+    with grpc.insecure_channel(up.grpc_address) as channel:
+        whole = generation_pb2_grpc.GenerationStub(channel).Complete(request, timeout=300)
+    assert [list(c.token_ids) for c in whole.choices] == [w.token_ids for w in want]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+
 def test_mixed_cluster_sends_short_prompts_whole_and_longer_ones_split(up, llm, reference):
     workers = Cluster(redis=_Attached(up.redis_url))  # type: ignore[arg-type]
     try:

@@ -74,3 +74,14 @@ def test_non_streaming_client_that_gives_up_cancels_the_decode_request(cluster):
         else:
             raise AssertionError("a 4000-token completion cannot be back in 3 s")
     assert_cancelled_downstream(cluster)
+
+
+def test_http_stream_disconnect_cancels_every_sample(cluster):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": True, "n": 3}  # fmt: skip
+    with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith('data: {"id": "cmpl-')
+        assert wait_for_decode_load(cluster, running=3).free_blocks < 1024  # all three decode
+        assert routed_decode_requests(cluster) == 3  # the router counts sequences
+    assert_cancelled_downstream(cluster)

@@ -211,3 +211,34 @@ def busiest_decode_worker(cluster: Cluster, router: InProcessRouter) -> tuple[Wo
     worker_id = max(sorted(counts), key=counts.__getitem__)
     (victim,) = [w for w in cluster.workers if w.worker_id == worker_id]
     return victim, counts[worker_id]
+
+
+def test_a_request_with_n_samples_is_not_moved_when_its_decode_worker_dies(workers):
+    """Runs last: it kills one of two decode workers (it starts one if an earlier test left
+    only one). A move resumes one token sequence, so n samples end with the error instead."""
+    if len(of_role(workers, "decode")) < 2:
+        workers.start("decode")
+    router = router_for(workers, max_migrations=1)
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+    params = pb.SamplingParams(max_tokens=4000, ignore_eos=True, n=2)
+    try:
+        call = stub.Generate(pb.GenerateRequest(text="Once upon a time", params=params),
+                             timeout=300)  # fmt: skip
+        assert next(call).token_ids
+        views = httpx.get(f"{router.http_url}/admin/workers", timeout=10).json()["workers"]
+        # The router counts the two samples as two sequences on their worker.
+        (worker_id,) = [v["worker_id"] for v in views if v["role"] == "decode"
+                        and v["assigned_here"]["requests"] == 2]  # fmt: skip
+        (victim,) = [w for w in of_role(workers, "decode") if w.worker_id == worker_id]
+        before = metrics.MIGRATIONS.labels(victim.worker_id)._value.get()
+        victim.kill()
+        with pytest.raises(grpc.RpcError) as lost:
+            list(call)
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert lost.value.details().startswith(f"decode worker {victim.address} "), (
+            lost.value.details()
+        )
+        assert metrics.MIGRATIONS.labels(victim.worker_id)._value.get() == before
+        wait_until_idle(workers)
+    finally:
+        router.stop()
