@@ -45,6 +45,7 @@ bench: setup proto
 	$(PY) bench/serve.py
 	$(PY) -m bench.structured_output
 	$(PY) -m bench.prefix --quick
+	$(PY) -m bench.parallel_sampling
 
 clean:
 	rm -rf $(VENV) .venv-tools proto/gen

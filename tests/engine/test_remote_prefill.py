@@ -3,6 +3,8 @@ blocks an unfenced writer may reach are quarantined, never handed to another req
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine import EngineBusyError, EngineConfig, LLMEngine, SamplingParams
@@ -32,6 +34,17 @@ def test_reservations_past_max_num_seqs_are_refused(engine):
     with pytest.raises(EngineBusyError, match="2 requests are running or awaiting KV; max_num_"):
         engine.reserve_for_remote_prefill("c", PROMPT, PARAMS)
     assert engine.pool.num_free_blocks == 6  # the refusal took nothing
+
+
+def test_n_samples_count_against_max_num_seqs_unless_the_engine_is_idle(engine):
+    two = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2)
+    engine.reserve_for_remote_prefill("a", PROMPT, PARAMS)
+    with pytest.raises(EngineBusyError, match=(
+        "^1 requests are running or awaiting KV; max_num_seqs is 2; its 2 samples would pass it$"
+    )):  # fmt: skip
+        engine.reserve_for_remote_prefill("b", PROMPT, two)
+    engine.abort_request("a")
+    engine.reserve_for_remote_prefill("c", PROMPT, replace(two, n=3))  # idle: the rest queue
 
 
 def test_reservations_past_the_watermark_are_refused(engine):

@@ -96,6 +96,26 @@ def test_streamed_n2_chunks_carry_their_index(client, seeded_samples, kind):
         assert [texts[0], texts[1]] == seeded_samples[:2]
 
 
+def test_each_choice_has_its_own_logprobs_and_grammar(client):
+    greedy = {"max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True}
+    (one,) = client.completions.create(model=MODEL, prompt=PROMPT, **greedy).choices
+    two = client.completions.create(model=MODEL, prompt=PROMPT, n=2, **greedy).choices
+    for choice in two:
+        assert choice.text == one.text
+        assert choice.logprobs.tokens == one.logprobs.tokens
+        assert choice.logprobs.text_offset == one.logprobs.text_offset  # each after the echo
+        # Sample 1's first token comes from the decode worker's own last-block prefill.
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            one.logprobs.token_logprobs, abs=1e-4
+        )
+    choices = ["yes", "no", "maybe"]
+    constrained = client.completions.create(
+        model=MODEL, prompt=PROMPT, n=3, max_tokens=4, temperature=1.0, seed=5,
+        extra_body={"guided_choice": choices},
+    )  # fmt: skip
+    assert all(c.text in choices for c in constrained.choices), constrained.choices
+
+
 @pytest.mark.parametrize("n", [0, 17])
 def test_n_out_of_range_gets_a_400_naming_n(client, n):
     with pytest.raises(openai.BadRequestError) as refused:
