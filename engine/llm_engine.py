@@ -293,12 +293,10 @@ class LLMEngine:
         """Sample 0's prompt KV is computed (and its full blocks cached, before this first
         token): samples 1..n-1 queue for the same prompt and hit the prefix cache for every
         full block, recomputing at most the last one, each with its own RNG stream."""
-        prompt = request.prompt_token_ids
-        for index, sample_id in enumerate(sample_ids(request.request_id, request.params.n)):
-            if index > 0:
-                self.enqueue(
-                    self.make_request(sample_id, prompt, request.params.sample(index), index)
-                )
+        prompt, params = request.prompt_token_ids, request.params
+        samples = sample_ids(request.request_id, params.n)[1:]
+        for index, sample_id in enumerate(samples, start=1):
+            self.enqueue(self.make_request(sample_id, prompt, params.sample(index), index))
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.is_finished:
