@@ -12,6 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.quant_quality import (
+    GREEDY,
+    PROMPTS,
+    first_divergences,
+    greedy_continuations,
+    teacher_forced,
+)
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -27,25 +34,11 @@ from engine.quantization import (
     quantize_int8,
 )
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):",
-    "The three laws of motion are",
-    "List the planets of the solar system in order from the sun:",
-    "Write a haiku about autumn leaves falling slowly onto a quiet pond at dusk.",
-    "Water boils at a temperature of",
-    "The best way to learn a new language is",
-    "import numpy as np\n\n# compute the mean of an array",
-    "Q: What is the largest mammal on Earth?\nA:",
-    "My favourite recipe for pancakes needs",
-    "In 1969, the first humans to walk on the Moon",
-]
-NEW_TOKENS = 32
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-# Issue 12 asks for 0.99; per-channel int8 measures 0.974 (374 of 384) here and the floor
-# guards that: the bundled weights come from a Q4_1 GGUF (4-bit values in blocks of 32), and one
-# int8 scale per output row re-rounds them off their grid (docs/engine.md, Quantization).
+# Issue 12 asks for 0.99, MISSED: per-channel int8 measures 0.974 (374 of 384) and the floor
+# guards that. Every flip lands where fp32's top two log-probabilities are within 0.44 (24 of the
+# 384 positions are within 0.1), and int8 with a scale per 32 inputs flips as often: any 8-bit
+# rounding of this model's weights moves its logits past those margins (bench/quant_quality.py,
+# docs/engine.md, Quantization). The test prints fp32's margin at each flip.
 # int4 measures 0.9870 (379 of 384): its codes are the GGUF's own, but the kernel runs bfloat16,
 # so the GGUF's float16 scales and the zeros are rounded to bfloat16 (engine/quantization.py).
 # int8_kv (an int8 KV cache, tests/engine/test_kv_quant.py): issue 12 asks for >= 0.99, MISSED:
@@ -71,11 +64,11 @@ def int4_llm():
 
 
 @pytest.fixture(scope="module")
-def fp32_greedy(llm) -> tuple[list[list[int]], list[list[int]]]:
-    """The prompts' token ids and the fp32 engine's greedy continuations of them."""
+def fp32_greedy(llm) -> tuple[list[list[int]], list[list[int]], list[float]]:
+    """The prompts' token ids, the fp32 engine's greedy continuations of them, and fp32's margin
+    between its top two log-probabilities at each position."""
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    llm.engine.pool.reset_cache()
-    return prompts, [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return prompts, *greedy_continuations(llm, prompts)
 
 
 def test_int8_kernel_matches_dequantized_weights():
@@ -182,23 +175,17 @@ def test_quantized_is_deterministic_and_batch_independent(scheme, request):
 @pytest.mark.parametrize("scheme", ["int8", "int4", "int8_kv"])
 def test_quantized_top1_agreement_with_fp32_teacher_forced(scheme, request, llm, fp32_greedy):
     quantized = request.getfixturevalue(f"{scheme}_llm")
-    prompts, fp32 = fp32_greedy
-    # At every position of fp32's continuation, the quantized argmax given fp32's own prefix.
-    prefixes = [
-        p + cont[:i] for p, cont in zip(prompts, fp32, strict=True) for i in range(NEW_TOKENS)
-    ]
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    quantized.engine.pool.reset_cache()
-    forced = [o.token_ids[0] for o in quantized.generate(prefixes, one)]
+    prompts, fp32, margins = fp32_greedy
+    forced = teacher_forced(quantized, prompts, fp32)
     expected = [t for cont in fp32 for t in cont]
-    agreement = sum(a == b for a, b in zip(forced, expected, strict=True)) / len(expected)
+    flips = [i for i, (a, b) in enumerate(zip(forced, expected, strict=True)) if a != b]
+    agreement = 1 - len(flips) / len(expected)
     free = [o.token_ids for o in quantized.generate(prompts, GREEDY)]
-    divergence = [
-        next((i for i, (a, b) in enumerate(zip(f, q, strict=True)) if a != b), None)
-        for f, q in zip(fp32, free, strict=True)
-    ]
     print(f"{scheme} vs fp32 teacher-forced top-1 agreement: {agreement:.4f} of {len(expected)}")
-    print(f"first free-running divergence per prompt (None = all {NEW_TOKENS} equal): {divergence}")
+    print(f"fp32's top-2 margin at each flip: {sorted(round(margins[i], 3) for i in flips)}")
+    print(
+        f"first free-running divergence per prompt (None = never): {first_divergences(fp32, free)}"
+    )
     assert agreement >= MIN_AGREEMENT[scheme]
     assert quantized.engine.pool.num_free_blocks == quantized.engine.pool.num_blocks
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
