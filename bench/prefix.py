@@ -2,15 +2,17 @@
 
 `pdserve up --prefill 2 --decode 2` (the same launcher, a fresh cluster per mode so neither
 inherits the other's caches), one router per mode:
-  load_only  the watermark policy with both prefix weights 0
-  kv_aware   the watermark policy with its default prefix weights
+  load_only  the watermark policy with both prefix weights 0, workers with --no-peer-fetch
+  kv_aware   the watermark policy with its default prefix weights, workers with peer fetch
+             (a prefill worker reads the prefix its decode worker holds, replies included)
 The workload, identical in both modes: --conversations chats of --turns turns through
 /v1/chat/completions (streaming, greedy, ignore_eos), all sharing one --system-tokens system
 prompt; every turn appends a --user-tokens user message and the --max-tokens reply to the
 conversation. --concurrency clients each run one conversation at a time, turn after turn.
 
 Per mode: prefix hit rate (cached prompt tokens / prompt tokens, as usage reports the prefill
-worker's hits), prefill tokens computed (prompt minus cached), TTFT p50/p99 (client side),
+worker's hits and what it read from the decode worker), prefill tokens computed (prompt minus
+cached), of them read from a peer (the prefill workers' metrics), TTFT p50/p99 (client side),
 and what the prefix-cache events cost Redis (entries, events, bytes). Also a bound no router
 can beat without moving KV between workers: `oracle_prefill_tokens`, each turn computing only
 what its conversation's previous turn (or the shared system prompt) did not already cover,
@@ -30,17 +32,20 @@ from typing import Any
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serve import percentile, word_ids
 from engine.model_files import resolve_model
 from engine.tokenizer import TextTokenizer
 from pdserve.kv_events import STREAM_PREFIX, CacheUpdate
 from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.registry import Registry
 
-MODES = {
-    "load_only": ("--prefix-prefill-weight", "0", "--prefix-decode-weight", "0"),
-    "kv_aware": (),
-}
+MODES = {  # (router flags, worker flags)
+    "load_only": (("--prefix-prefill-weight", "0", "--prefix-decode-weight", "0"),
+                  ("--no-peer-fetch",)),
+    "kv_aware": ((), ()),
+}  # fmt: skip
 QUICK = {"conversations": 8, "turns": 4}
 BLOCK_SIZE = 16  # the workers' KV block: the unit a prefix cache serves
 
@@ -186,6 +191,18 @@ def event_costs(redis_url: str, num_requests: int) -> dict[str, Any]:
     }
 
 
+def peer_fetched_tokens(redis_url: str) -> int:
+    """Prompt tokens the prefill workers read from decode workers so far (their metrics)."""
+    total = 0.0
+    for worker in Registry(redis_url).workers("prefill"):
+        text = httpx.get(worker.metrics_url, timeout=10).text
+        for family in text_string_to_metric_families(text):
+            total += sum(s.value for s in family.samples
+                         if s.name == "pdserve_prefill_prompt_tokens_total"
+                         and s.labels.get("source") == "peer_fetch")  # fmt: skip
+    return int(total)
+
+
 def summarize(results: list[dict], wall_s: float) -> dict[str, Any]:
     ttfts = [r["ttft_s"] for r in results]
     num_prompt = sum(r["prompt_tokens"] for r in results)
@@ -205,17 +222,20 @@ def summarize(results: list[dict], wall_s: float) -> dict[str, Any]:
 
 
 def run_mode(mode: str, args, system: str, users: list[list[str]]) -> dict[str, Any]:
+    router_args, worker_args = MODES[mode]
     spec = ClusterSpec(num_prefill=2, num_decode=2, kv_backend="tcp", num_cores=args.cores,
-                       warmup=False, with_router=False)  # fmt: skip
+                       warmup=False, with_router=False, worker_args=worker_args)  # fmt: skip
     cluster = LocalCluster(spec).start()
     try:
-        router = cluster.add_router(f"router-{mode}", (*MODES[mode], "--log-level", "warning"))
+        router = cluster.add_router(f"router-{mode}", (*router_args, "--log-level", "warning"))
         # First-run costs (not measured): one short chat per worker pair, nothing shared.
         warm = [[f" warm{i}"] for i in range(4)]
         asyncio.run(run_conversations(router.http_url, " hello", warm, args))
+        fetched_before = peer_fetched_tokens(cluster.redis_url)
         started = time.monotonic()
         results = asyncio.run(run_conversations(router.http_url, system, users, args))
         summary = summarize(results, time.monotonic() - started)
+        summary["peer_fetched_tokens"] = peer_fetched_tokens(cluster.redis_url) - fetched_before
         summary["redis"] = event_costs(cluster.redis_url, len(results) + len(warm))
         print(mode, json.dumps({k: v for k, v in summary.items() if k != "replies"}), flush=True)
         return summary

@@ -230,12 +230,16 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         transfer id (bytes still in flight from a failed attempt can never count for the
         next); every failed attempt is fenced before the next starts or the request ends."""
         num_cached_blocks = reserved.num_cached_tokens // self.block_size
+        # Our prefix hits stay held, full and unchanged, until the request ends, and we free
+        # them only after forgetting its transfer id: the prefill worker may read them meanwhile.
+        readable = self.runtime.settings.peer_fetch and num_cached_blocks > 0
         message = wpb.PrefillRequest(
             prompt_token_ids=reserved.prompt_token_ids,
             params=wire.sampling_proto(params),
             kv_destination=wpb.KVDestination(
                 agent_metadata=self.runtime.kv_agent.metadata(),
                 num_cached_blocks=num_cached_blocks,
+                cached_blocks_readable=readable,
             ),
         )
         targets = self._prefill_targets(request.prefill_address)
@@ -246,7 +250,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             message.request_id = transfer_id
             message.kv_destination.ClearField("block_ids")
             message.kv_destination.block_ids.extend(dst)
-            self.runtime.kv_agent.expect(transfer_id, dst[num_cached_blocks:])
+            held = dst[:num_cached_blocks] if readable else []
+            self.runtime.kv_agent.expect(transfer_id, dst[num_cached_blocks:], held)
             try:
                 response = self._attempt(address, message, watch, deadline_s)
                 metrics.PREFILL_ATTEMPTS.labels("ok").inc()
@@ -336,7 +341,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         return pb.Usage(
             prompt_tokens=reserved.num_prompt_tokens,
             completion_tokens=num_output_tokens,
-            cached_prompt_tokens=prefill.num_prefix_hit_tokens if prefill else cached,
+            # Not computed: the prefill worker's own hits and what it read from ours.
+            cached_prompt_tokens=(
+                prefill.num_prefix_hit_tokens + prefill.num_peer_fetched_tokens
+                if prefill
+                else cached
+            ),
         )
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
-from engine.prefix_hash import extend_block_hashes
+from engine.prefix_hash import extend_block_hashes, prompt_block_hashes
 from engine.request import Request
 
 
@@ -34,18 +35,35 @@ class KVCacheManager:
         assert not request.block_ids, "prefix matching is for a request without blocks"
         self._hash_full_blocks(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit_ids = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hit_ids.append(block_id)
+        hit_ids = self._cached_ids(request.block_hashes[:max_hit_blocks])
         self.pool.touch(hit_ids)
         request.block_ids = hit_ids
         num_hit_tokens = len(hit_ids) * self.block_size
         self.stats.num_queried_tokens += request.num_tokens
         self.stats.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
+
+    def cached_prefix(self, prompt_token_ids: list[int]) -> list[int]:
+        """The cached blocks a prefix match of this prompt would hit (no reference taken)."""
+        return self._cached_ids(prompt_block_hashes(prompt_token_ids, self.block_size))
+
+    def cache_prompt_blocks(
+        self, prompt_token_ids: list[int], first_block: int, block_ids: list[int]
+    ) -> None:
+        """Registers blocks holding the prompt's blocks from first_block on (filled by a peer)."""
+        hashes = prompt_block_hashes(prompt_token_ids, self.block_size)[first_block:]
+        assert len(block_ids) <= len(hashes), "only full blocks before the last token are cached"
+        for block_id, block_hash in zip(block_ids, hashes, strict=False):
+            self.pool.cache(block_id, block_hash)
+
+    def _cached_ids(self, block_hashes: Sequence[bytes]) -> list[int]:
+        hit_ids = []
+        for block_hash in block_hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        return hit_ids
 
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)

@@ -228,6 +228,19 @@ class LLMEngine:
         self.scheduler.add_running(request)
         return self._append_token(request, first_token_id)
 
+    # ---- prefix fetch (the prefill worker's side of cross-worker prefix reuse) --------------
+    def reserve_prefix_fetch(self, own_block_ids: list[int], num_blocks: int) -> list[int] | None:
+        """A peer holds more of a prompt than our cache (own_block_ids, kv.cached_prefix):
+        takes a reference on those and allocates num_blocks for the next ones, None past the
+        watermark. The caller fills them from the peer, registers them (kv.cache_prompt_blocks)
+        and frees both lists once the request has ended: held until then, they are the hits its
+        prefix match finds."""
+        limit = int(self.config.watermark * self.pool.num_blocks)
+        if num_blocks > self.pool.num_free_blocks or self.pool.num_used_blocks + num_blocks > limit:
+            return None
+        self.pool.touch(own_block_ids)
+        return self.pool.allocate(num_blocks)
+
     # ---- the step ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)

@@ -93,6 +93,14 @@ KVCacheDtype = Annotated[
         help="auto (the model's dtype) | int8 (per-token scales; prefill and decode must agree).",
     ),
 ]
+PeerFetch = Annotated[
+    bool,
+    typer.Option(
+        envvar="PDSERVE_PEER_FETCH",
+        help="Prefix reuse across workers: decode lets prefill read the prompt prefix it holds; "
+        "prefill reads it instead of computing it when the transfer is faster.",
+    ),
+]
 TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
 TlsKey = Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE", help="PEM private key.")]
 TlsCa = Annotated[
@@ -104,7 +112,8 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
                      metrics_port, worker_id, kv_backend, chunk_size, num_blocks, drain_grace_s,
                      registry_ttl_s, warmup, tls_cert_file, tls_key_file, tls_ca_file,
                      max_concurrent_rpcs, max_num_seqs, device, cuda_graphs,
-                     attention_backend, quantization="none", kv_cache_dtype="auto"):  # fmt: skip
+                     attention_backend, quantization="none", kv_cache_dtype="auto",
+                     peer_fetch):  # fmt: skip
     from engine import EngineConfig
     from pdserve.tls import TLSFiles
     from pdserve.worker_runtime import WorkerSettings
@@ -122,6 +131,7 @@ def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, adve
         drain_grace_s=drain_grace_s,
         max_concurrent_rpcs=max_concurrent_rpcs,
         warmup=warmup,
+        peer_fetch=peer_fetch,
         tls=TLSFiles(tls_cert_file or None, tls_key_file or None, tls_ca_file or None),
         engine=EngineConfig(
             model=model, dtype=dtype, chunk_size=chunk_size, num_blocks=num_blocks,
@@ -159,6 +169,7 @@ def prefill(
     attention_backend: Attention = "auto",
     quantization: Quantization = "none",
     kv_cache_dtype: KVCacheDtype = "auto",
+    peer_fetch: PeerFetch = True,
     log_level: LogLevel = "info",
 ) -> None:
     """Run a prefill worker."""
@@ -174,7 +185,7 @@ def prefill(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
         cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, peer_fetch=peer_fetch,
     )  # fmt: skip
     raise typer.Exit(start(settings).serve_forever())
 
@@ -206,6 +217,7 @@ def decode(
     attention_backend: Attention = "auto",
     quantization: Quantization = "none",
     kv_cache_dtype: KVCacheDtype = "auto",
+    peer_fetch: PeerFetch = True,
     prefill_timeout_s: Annotated[float, typer.Option(envvar="PDSERVE_PREFILL_TIMEOUT_S")] = 60.0,
     local_prefill_fallback: Annotated[
         bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
@@ -237,7 +249,7 @@ def decode(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
         max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
         cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, peer_fetch=peer_fetch,
     )  # fmt: skip
     raise typer.Exit(start(settings, decode_settings).serve_forever())
 

@@ -43,6 +43,9 @@ class WorkerInfo:
     chunk_size: int
     block_size: int  # tokens per KV block: what a KV headroom in blocks means
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Cross-worker prefix reuse (WorkerSettings.peer_fetch): a prefill worker reads the prefix
+    # its decode worker holds, a decode worker lets it; False in an older worker's entry.
+    peer_fetch: bool = False
     updated_at: float = 0.0
 
     def to_json(self) -> str:

@@ -65,6 +65,9 @@ class WorkerSettings:
     # RESOURCE_EXHAUSTED at once instead of queueing silently behind the thread pool.
     max_concurrent_rpcs: int = 128
     warmup: bool = True
+    # Cross-worker prefix reuse: a decode worker lets its prefill worker read the prefix it
+    # already holds, and a prefill worker lacking it reads it when that beats computing it.
+    peer_fetch: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     length_buckets: LengthBuckets = field(default_factory=LengthBuckets)
     # Serves gRPC with this cert (requiring client certs when a CA is set) and presents it when
@@ -190,6 +193,7 @@ class WorkerRuntime:
                 total_blocks=stats.num_blocks,
                 prefill_tokens_per_s=stats.prefill_tokens_per_s,
             ),
+            peer_fetch=self.settings.peer_fetch,
         )
 
     def _observe_step(self, seconds: float, batch_size: int) -> None:

@@ -1,5 +1,6 @@
 """The Prefill RPC: run chunked prefill and write each finished chunk's KV straight into the
-decode worker's blocks, overlapping the transfer of chunk N with the compute of chunk N+1."""
+decode worker's blocks, overlapping the transfer of chunk N with the compute of chunk N+1.
+A prefix the decode worker already holds and we lack is read from it first (peer_fetch.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
 from prefill_service import metrics
+from prefill_service.peer_fetch import Fetched, PrefixFetcher
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0  # for a caller that sets no deadline
@@ -36,6 +38,7 @@ class PrefillJob:
     num_sent_blocks: int = 0
     held_block_ids: list[int] = field(default_factory=list)  # referenced until sent
     handles: list[kvtransfer.TransferHandle] = field(default_factory=list)
+    fetched: Fetched = field(default_factory=Fetched)  # the prefix read from the decode worker
     sampler_state: bytes = b""
     error: Exception | None = None
 
@@ -46,6 +49,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self.engine = runtime.engine
         self.block_size = runtime.settings.engine.block_size
         self.jobs: dict[str, PrefillJob] = {}
+        self.fetcher = PrefixFetcher(runtime)
         self.engine.on_computed = self._ship_finished_blocks
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext):
@@ -71,11 +75,14 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             self.jobs[rid] = job
             return engine_request, loop.open_stream(rid)
 
-        engine_request, stream = loop.call(admit)
-        # The decode worker gave up on us, or the deadline passed: the stream ends with "abort".
-        context.add_callback(lambda: loop.abort(rid))
         bucket = self.runtime.settings.length_buckets.of(len(prompt))
         try:
+            job.fetched = self.fetcher.fetch(rid, prompt, dest, deadline_s)
+            if not context.is_active():  # cancelled during the fetch, before the abort below
+                raise CallerGoneError("prefill was cancelled")
+            engine_request, stream = loop.call(admit)
+            # The decode worker gave up on us, or the deadline passed: the stream ends "abort".
+            context.add_callback(lambda: loop.abort(rid))
             final = None
             for output in stream:
                 final = output
@@ -103,10 +110,16 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         metrics.COMPUTE.labels(bucket).observe(compute)
         metrics.TRANSFER_WAIT.labels(bucket).observe(transfer)
         metrics.REQUESTS.labels("ok").inc()
+        # Held since the fetch, the fetched blocks are hits of the request's prefix match.
+        num_fetched = min(job.fetched.num_tokens, r.num_cached_tokens)
+        metrics.PROMPT_TOKENS.labels("computed").inc(len(prompt) - r.num_cached_tokens)
+        metrics.PROMPT_TOKENS.labels("prefix_cache").inc(r.num_cached_tokens - num_fetched)
+        metrics.PROMPT_TOKENS.labels("peer_fetch").inc(num_fetched)
         return wpb.PrefillResponse(
             first_token_id=final.new_token_ids[0],
             num_prompt_tokens=len(prompt),
-            num_prefix_hit_tokens=r.num_cached_tokens,
+            num_prefix_hit_tokens=r.num_cached_tokens - num_fetched,
+            num_peer_fetched_tokens=num_fetched,
             kv_bytes_sent=sum(h.num_bytes for h in job.handles),
             num_blocks_sent=job.num_sent_blocks - job.num_skipped_blocks,
             queue_wait_s=queue_wait,
@@ -165,12 +178,16 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
     def _settle(self, job: PrefillJob, deadline_s: float) -> None:
         """Stops the job's shipping, then drops its send references once every send has
         resolved, or at the deadline: by then the receiver has given up on these bytes and
-        fenced its blocks, so our source blocks may be reused."""
+        fenced its blocks, so our source blocks may be reused. The same for the blocks of a
+        failed fetch, whose writer (the decode worker) is fenced by then."""
         loop = self.runtime.loop
         with contextlib.suppress(EngineStoppedError):  # the process is going away
             loop.call(lambda: self.jobs.pop(job.request_id, None))
         for handle in job.handles:
             with contextlib.suppress(kvtransfer.KVTransferError):  # its outcome is reported
                 handle.wait(max(0.0, deadline_s - time.monotonic()))
+        if job.fetched.fence is not None:
+            job.fetched.fence.done.wait(max(0.0, deadline_s - time.monotonic()))
+        held = job.held_block_ids + job.fetched.held_block_ids
         with contextlib.suppress(EngineStoppedError):
-            loop.post(lambda: self.engine.pool.free(job.held_block_ids))
+            loop.post(lambda: self.engine.pool.free(held))

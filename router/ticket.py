@@ -26,6 +26,9 @@ class Ticket:
     # The prompt's chained block hashes (engine.prefix_hash), for the prefix scorers.
     block_hashes: tuple[bytes, ...] = ()
     num_seqs: int = 1  # sequences in the decode batch: the request's n samples
+    # Leading prompt tokens the chosen decode worker holds and lets a prefill worker read
+    # (peer fetch): set once the decode worker is chosen, before the prefill worker is.
+    held_prefix_tokens: int = 0
 
     @property
     def num_total_tokens(self) -> int:

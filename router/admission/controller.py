@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pdserve.lengths import LENGTH_BUCKETS
@@ -146,27 +146,32 @@ class Admission:
         in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
         return (in_front + ticket.num_prompt_tokens * len(workers)) / self._speed(workers)
 
-    def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView] | None:
-        """(prefill, decode) workers with room now; one worker twice when aggregated."""
+    def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
+        """(prefill, decode) workers with room now, one worker twice when aggregated, and the
+        ticket as the prefill worker was chosen by. The decode worker comes first: a prefill
+        worker that fetches can read the prefix it holds (Ticket.held_prefix_tokens)."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
             worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
-            return None if worker is None else (worker, worker)
-        prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
-        if prefill is None:
-            return None
+            return None if worker is None else (worker, worker, ticket)
         decode = self.policies.decode.choose(self.pool.views("decode"), ticket)
-        return None if decode is None else (prefill, decode)
+        if decode is None:
+            return None
+        if self.prefixes is not None and decode.info.peer_fetch:
+            held = self.prefixes.overlap_tokens(decode.info, ticket)
+            ticket = replace(ticket, held_prefix_tokens=held)
+        prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+        return None if prefill is None else (prefill, decode, ticket)
 
     def _place(self, ticket: Ticket) -> Lease | None:
         chosen = self._choose(ticket)
         if chosen is None:
             return None
-        prefill, decode = chosen
+        prefill, decode, scored = chosen
         num_to_prefill = ticket.num_prompt_tokens
         if self.prefixes is not None:  # the prefill worker computes only what it lacks
-            choice = self.prefixes.record(ticket, prefill.info, decode.info)
-            num_to_prefill -= choice.prefill_overlap_tokens
+            self.prefixes.record(ticket, prefill.info, decode.info)
+            num_to_prefill -= sum(self.prefixes.prefill_prefix(prefill.info, scored))
         holds: dict[Role, Assignment] = {
             "prefill": self.pool.assign("prefill", prefill.worker_id, num_to_prefill),
             "decode": self.pool.assign(

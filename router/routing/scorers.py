@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.prefix_index import PrefixIndex
+from router.prefix_index import FETCHED_TOKEN_WORTH, PrefixIndex
 from router.ticket import Ticket
 from router.workers import WorkerView
 
@@ -47,12 +47,18 @@ class RunningRequests:
 @dataclass(frozen=True, slots=True)
 class PrefillSaved:
     """Seconds of prefill the worker's prefix cache saves this request (its cached prompt
-    tokens at its measured speed), as a negative cost in the watermark's unit."""
+    tokens at its measured speed), as a negative cost in the watermark's unit. A worker that
+    fetches is credited the chosen decode worker's longer prefix too, a fetched token worth
+    FETCHED_TOKEN_WORTH of a cached one."""
 
     prefixes: PrefixIndex
 
     def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
-        return [-self.prefixes.overlap_tokens(w.info, ticket) / w.tokens_per_s for w in workers]
+        return [-self._saved_tokens(w, ticket) / w.tokens_per_s for w in workers]
+
+    def _saved_tokens(self, worker: WorkerView, ticket: Ticket) -> float:
+        own, fetched = self.prefixes.prefill_prefix(worker.info, ticket)
+        return own + FETCHED_TOKEN_WORTH * fetched
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,8 +126,9 @@ def test_the_next_turn_goes_to_the_workers_holding_its_prefix(cluster, router):
         last_choice(router).request_id, prefill_1.worker_id, 320,  # 20 full blocks of turn 1
         decode_1.worker_id, 336,  # 21 blocks: turn 1 and 7 decoded tokens
     )  # fmt: skip
-    # The prefill worker's hit counter: what it did not compute.
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 320}
+    # What the prefill worker did not compute: its 320 tokens, and the block of turn 1's reply
+    # that only decode_1 holds, read from it (peer fetch).
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 336}
     # A conversation cached nowhere goes by load alone: the lowest id at equal load.
     wait_idle(router)
     complete(router, tokens(3, 100), max_tokens=2)

@@ -55,6 +55,29 @@ def test_prefill_choice_weighs_saved_prefill_against_load(queued, block_size, we
     )
 
 
+FETCH_CASES = [
+    # (a fetches, b's queued tokens, chosen): b holds 20 blocks (320 tokens) and fetches; the
+    # chosen decode worker holds all 24 (384) and lets them be read. A read token is credited
+    # 0.9 of a cached one: a saves 345.6 tokens' prefill, b 377.6 (0.69 s and 0.76 s).
+    pytest.param(True, 0, "b", id="equal-load-the-holder-still-wins"),
+    pytest.param(True, 100, "a", id="a-little-load-and-a-reader-does-as-well"),
+    pytest.param(False, 100, "b", id="no-fetch-the-holder-wins-as-before"),
+]
+
+
+@pytest.mark.parametrize("a_fetches, queued, expected", FETCH_CASES)
+def test_a_prefill_worker_that_fetches_is_credited_the_decode_workers_prefix(
+    a_fetches, queued, expected
+):
+    a = replace(worker("prefill", "a", tokens_per_s=500), peer_fetch=a_fetches)
+    b = replace(worker("prefill", "b", tokens_per_s=500, queued_tokens=queued), peer_fetch=True)
+    policies = build_policies(
+        RoutingSettings("watermark"), AdmissionSettings(), index_with({"b": 20})
+    )
+    held = replace(prompt_ticket(), held_prefix_tokens=384)
+    assert policies.prefill.choose(pool_of(a, b).views("prefill"), held).worker_id == expected
+
+
 DECODE_CASES = [
     # (running requests on b, decode weight, chosen): b holds 24 blocks (384 of 400 tokens).
     pytest.param(0, 0.5, "b", id="equal-load-the-holder-wins"),

@@ -1,0 +1,121 @@
+"""Cross-worker prefix reuse, prefill side: read the prompt prefix the decode worker holds (its
+prefix-cache hits) into our own blocks instead of computing it, when moving its KV is faster
+than computing it by the measured speeds; on any failure, compute it after all."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import kvtransfer
+from pdserve.worker.v1 import worker_pb2 as wpb
+from pdserve.worker_runtime import WorkerRuntime
+from prefill_service import metrics
+
+log = logging.getLogger(__name__)
+
+# Before a read has been measured: half what the tcp backend moves here (~2 GB/s; NIXL ~4).
+PRIOR_KV_BYTES_PER_S = 1e9
+# Smaller reads time their round trips (request, grant, ack), not the bandwidth.
+MIN_MEASURED_BYTES = 1 << 20
+# A fetch is given as long as computing its tokens would take, and at least this: past it,
+# computing them is the faster way after all.
+MIN_FETCH_WAIT_S = 1.0
+
+
+@dataclass(slots=True)
+class FetchCosts:
+    """Seconds to move a prefix's KV (measured reads, a prior before any) against seconds to
+    compute it (the engine's measured prefill tokens/s)."""
+
+    kv_bytes_per_token: float
+    kv_bytes_per_s: float = PRIOR_KV_BYTES_PER_S
+
+    def transfer_s(self, num_tokens: int) -> float:
+        return num_tokens * self.kv_bytes_per_token / self.kv_bytes_per_s
+
+    @staticmethod
+    def compute_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
+        # Not measured yet (no prefill of 64+ tokens ran): computing counts as the slow way.
+        return num_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
+
+    def record(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes >= MIN_MEASURED_BYTES and seconds > 0:
+            self.kv_bytes_per_s = 0.8 * self.kv_bytes_per_s + 0.2 * num_bytes / seconds
+            metrics.PEER_FETCH_BYTES_PER_S.set(self.kv_bytes_per_s)
+
+
+@dataclass(slots=True)
+class Fetched:
+    """What a fetch leaves the request: tokens now cached here, blocks held until it ends."""
+
+    num_tokens: int = 0
+    held_block_ids: list[int] = field(default_factory=list)
+    # Set after a failed read: the blocks it may still write into stay held until it is done.
+    fence: kvtransfer.Fence | None = None
+
+
+class PrefixFetcher:
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.block_size = runtime.settings.engine.block_size
+        layout = runtime.kv_agent.layout
+        self.costs = FetchCosts(layout.bytes_per_block / layout.block_size)
+        metrics.PEER_FETCH_BYTES_PER_S.set(self.costs.kv_bytes_per_s)
+
+    def fetch(
+        self, request_id: str, prompt: list[int], dest: wpb.KVDestination, deadline_s: float
+    ) -> Fetched:
+        """Reads the blocks the decode worker holds past our own prefix hits, when offered and
+        worth it; held, they and our hits are what the request's prefix match then finds."""
+        if not (self.runtime.settings.peer_fetch and dest.cached_blocks_readable):
+            return Fetched()
+        reserved = self.runtime.loop.call(lambda: self._reserve(prompt, dest.num_cached_blocks))
+        if reserved is None:
+            return Fetched()
+        own_ids, dst_ids = reserved
+        fetched = Fetched(held_block_ids=own_ids + dst_ids)
+        first = len(own_ids)
+        src_ids = list(dest.block_ids[first : first + len(dst_ids)])
+        num_tokens = len(dst_ids) * self.block_size
+        wait_s = max(MIN_FETCH_WAIT_S, self._compute_s(num_tokens))
+        started = time.monotonic()
+        agent = self.runtime.kv_agent
+        try:
+            handle = agent.read(dest.agent_metadata, request_id, src_ids, dst_ids)
+            handle.wait(max(0.0, min(wait_s, deadline_s - started)))
+        except (kvtransfer.KVTransferError, ValueError) as e:
+            log.warning("%s: reading %d prefix tokens failed (%s); computing them", request_id,
+                        num_tokens, e)  # fmt: skip
+            metrics.PEER_FETCHES.labels("failed").inc()
+            fetched.fence = agent.cancel(request_id)
+            return fetched
+        self.costs.record(handle.num_bytes, time.monotonic() - started)
+        self.runtime.loop.call(lambda: self.engine.kv.cache_prompt_blocks(prompt, first, dst_ids))
+        metrics.PEER_FETCHES.labels("ok").inc()
+        fetched.num_tokens = num_tokens
+        return fetched
+
+    def _reserve(
+        self, prompt: list[int], num_held_blocks: int
+    ) -> tuple[list[int], list[int]] | None:
+        """Engine thread: (our hits, blocks to fill), or None when nothing is worth reading."""
+        own_ids = self.engine.kv.cached_prefix(prompt)
+        num_blocks = num_held_blocks - len(own_ids)
+        if num_blocks <= 0:
+            return None
+        num_tokens = num_blocks * self.block_size
+        if self.costs.transfer_s(num_tokens) >= self._compute_s(num_tokens):
+            metrics.PEER_FETCHES.labels("slower").inc()
+            return None
+        dst_ids = self.engine.reserve_prefix_fetch(own_ids, num_blocks)
+        if dst_ids is None:
+            metrics.PEER_FETCHES.labels("no_room").inc()
+            return None
+        return own_ids, dst_ids
+
+    def _compute_s(self, num_tokens: int) -> float:
+        return self.costs.compute_s(num_tokens, self.runtime.loop.stats.prefill_tokens_per_s)
