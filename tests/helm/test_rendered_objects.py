@@ -249,6 +249,7 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "PDSERVE_QUANTIZATION": "none",
         "PDSERVE_KV_CACHE_DTYPE": "auto",
         "PDSERVE_KV_BACKEND": "auto",
+        "PDSERVE_PEER_FETCH": "true",
         "PDSERVE_CHUNK_SIZE": "1024",
         "PDSERVE_DRAIN_GRACE_S": "60",
         "PDSERVE_ROUTING_POLICY": "watermark",
@@ -290,6 +291,7 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "int8",
         "int8",
     )
+    assert all_on_config["PDSERVE_PEER_FETCH"] == "false"
 
 
 def test_external_redis_from_a_secret(helm):
