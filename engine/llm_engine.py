@@ -235,10 +235,11 @@ class LLMEngine:
         watermark. The caller fills them from the peer, registers them (kv.cache_prompt_blocks)
         and frees both lists once the request has ended: held until then, they are the hits its
         prefix match finds."""
+        self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
         limit = int(self.config.watermark * self.pool.num_blocks)
         if num_blocks > self.pool.num_free_blocks or self.pool.num_used_blocks + num_blocks > limit:
+            self.pool.free(reversed(own_block_ids))
             return None
-        self.pool.touch(own_block_ids)
         return self.pool.allocate(num_blocks)
 
     # ---- the step ---------------------------------------------------------------------------

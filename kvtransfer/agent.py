@@ -159,11 +159,7 @@ class KVAgent(ABC):
         our dst blocks; returns at once. The handle resolves once they hold the bytes and the
         holder confirmed it held the blocks until they had left. After a failure or a wait that
         timed out, cancel(request_id): dst blocks may be reused once its fence is done."""
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"need as many src as dst block ids, got {len(src_block_ids)} and "
-                f"{len(dst_block_ids)}"
-            )
+        _check_pairs(src_block_ids, dst_block_ids)
         # Registered like an expected send: the holder's bytes pass our inbox's header check,
         # and cancel() fences the holder as it fences any writer.
         self._inbox.expect(request_id, dst_block_ids)
@@ -218,10 +214,13 @@ class KVAgent(ABC):
         """Stops the writers of this forgotten request; waits a bounded time for them."""
 
     def _check_send_args(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
-        if not src_block_ids or len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"need as many src as dst block ids, got {len(src_block_ids)} and "
-                f"{len(dst_block_ids)}"
-            )
+        _check_pairs(src_block_ids, dst_block_ids)
         if min(src_block_ids) < 0 or max(src_block_ids) >= self.num_blocks:
             raise ValueError(f"src block ids must lie in [0, {self.num_blocks})")
+
+
+def _check_pairs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+    if not src_block_ids or len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(
+            f"need as many src as dst block ids, got {len(src_block_ids)} and {len(dst_block_ids)}"
+        )

@@ -55,14 +55,33 @@ class PeerMetadata:
             raise ValueError(f"malformed KV agent metadata: {e!r}") from e
 
 
+class _JsonMessage:
+    """A message that travels as the JSON of its to_dict(), and is parsed by its from_dict()."""
+
+    __slots__ = ()
+    WHAT = "message"  # in the error a malformed one raises
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_dict()).encode()  # type: ignore[attr-defined]
+
+    @classmethod
+    def decode(cls, blob: bytes) -> Any:
+        try:
+            data = json.loads(blob)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed {cls.WHAT}: {e!r}") from e
+        return cls.from_dict(data)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True, slots=True)
-class BlockHeader:
+class BlockHeader(_JsonMessage):
     """Announces the bytes of one send(): the receiver checks it against its own layout."""
 
     request_id: str
     layout: KVLayout
     block_ids: tuple[int, ...]  # destination blocks, in payload order
     num_bytes: int
+    WHAT = "block header"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,20 +104,9 @@ class BlockHeader:
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed block header: {e!r}") from e
 
-    def encode(self) -> bytes:
-        return json.dumps(self.to_dict()).encode()
-
-    @classmethod
-    def decode(cls, blob: bytes) -> BlockHeader:
-        try:
-            data = json.loads(blob)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"malformed block header: {e!r}") from e
-        return cls.from_dict(data)
-
 
 @dataclass(frozen=True, slots=True)
-class ReadRequest:
+class ReadRequest(_JsonMessage):
     """Asks a holder to send blocks it holds for an open request into the reader's blocks: the
     holder writes them through its ordinary send, so the reader's inbox checks their header."""
 
@@ -106,6 +114,7 @@ class ReadRequest:
     src_block_ids: tuple[int, ...]  # the holder's blocks
     dst_block_ids: tuple[int, ...]  # the reader's blocks, in the same order
     reader_metadata: bytes  # the reader's PeerMetadata blob: where the holder sends them
+    WHAT = "read request"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,14 +136,3 @@ class ReadRequest:
             )
         except (KeyError, TypeError) as e:  # a bad base64 blob raises ValueError itself
             raise ValueError(f"malformed read request: {e!r}") from e
-
-    def encode(self) -> bytes:
-        return json.dumps(self.to_dict()).encode()
-
-    @classmethod
-    def decode(cls, blob: bytes) -> ReadRequest:
-        try:
-            data = json.loads(blob)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"malformed read request: {e!r}") from e
-        return cls.from_dict(data)

@@ -4,12 +4,15 @@ than computing it by the measured speeds; on any failure, compute it after all."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
 import kvtransfer
+from engine.errors import EngineStoppedError
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker_runtime import WorkerRuntime
 from prefill_service import metrics
@@ -53,8 +56,7 @@ class Fetched:
 
     num_tokens: int = 0
     held_block_ids: list[int] = field(default_factory=list)
-    # Set after a failed read: the blocks it may still write into stay held until it is done.
-    fence: kvtransfer.Fence | None = None
+    seconds: float = 0.0  # spent reading (or failing to)
 
 
 class PrefixFetcher:
@@ -77,7 +79,7 @@ class PrefixFetcher:
         if reserved is None:
             return Fetched()
         own_ids, dst_ids = reserved
-        fetched = Fetched(held_block_ids=own_ids + dst_ids)
+        fetched = Fetched(held_block_ids=own_ids)
         first = len(own_ids)
         src_ids = list(dest.block_ids[first : first + len(dst_ids)])
         num_tokens = len(dst_ids) * self.block_size
@@ -91,13 +93,36 @@ class PrefixFetcher:
             log.warning("%s: reading %d prefix tokens failed (%s); computing them", request_id,
                         num_tokens, e)  # fmt: skip
             metrics.PEER_FETCHES.labels("failed").inc()
-            fetched.fence = agent.cancel(request_id)
+            self._free_when_fenced(agent.cancel(request_id), dst_ids, deadline_s)
+            fetched.seconds = time.monotonic() - started
             return fetched
-        self.costs.record(handle.num_bytes, time.monotonic() - started)
+        fetched.seconds = time.monotonic() - started
+        self.costs.record(handle.num_bytes, fetched.seconds)
         self.runtime.loop.call(lambda: self.engine.kv.cache_prompt_blocks(prompt, first, dst_ids))
         metrics.PEER_FETCHES.labels("ok").inc()
         fetched.num_tokens = num_tokens
+        fetched.held_block_ids += dst_ids
         return fetched
+
+    def _free_when_fenced(
+        self, fence: kvtransfer.Fence, block_ids: list[int], deadline_s: float
+    ) -> None:
+        """The blocks of a failed read go back once its writer is fenced (at once, but for a
+        NIXL holder that did not confirm: then at its fence or the request's deadline, when it
+        has given up on the request too), without holding the request back."""
+        if fence.is_done():
+            self._free(block_ids)
+            return
+
+        def wait_then_free() -> None:
+            fence.done.wait(max(0.0, deadline_s - time.monotonic()))
+            self._free(block_ids)
+
+        threading.Thread(target=wait_then_free, name="peer-fetch-fence", daemon=True).start()
+
+    def _free(self, block_ids: list[int]) -> None:
+        with contextlib.suppress(EngineStoppedError):  # the process is going away
+            self.runtime.loop.post(lambda: self.engine.pool.free(block_ids))
 
     def _reserve(
         self, prompt: list[int], num_held_blocks: int

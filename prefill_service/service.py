@@ -124,7 +124,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             num_blocks_sent=job.num_sent_blocks - job.num_skipped_blocks,
             queue_wait_s=queue_wait,
             compute_s=compute,
-            transfer_s=transfer,
+            transfer_s=job.fetched.seconds + transfer,
             sampler_state=job.sampler_state,
             first_token_logprobs=(
                 wire.logprobs_proto(final.logprobs[0]) if final.logprobs else None
@@ -178,16 +178,13 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
     def _settle(self, job: PrefillJob, deadline_s: float) -> None:
         """Stops the job's shipping, then drops its send references once every send has
         resolved, or at the deadline: by then the receiver has given up on these bytes and
-        fenced its blocks, so our source blocks may be reused. The same for the blocks of a
-        failed fetch, whose writer (the decode worker) is fenced by then."""
+        fenced its blocks, so our source blocks may be reused. Then the blocks a fetch held."""
         loop = self.runtime.loop
         with contextlib.suppress(EngineStoppedError):  # the process is going away
             loop.call(lambda: self.jobs.pop(job.request_id, None))
         for handle in job.handles:
             with contextlib.suppress(kvtransfer.KVTransferError):  # its outcome is reported
                 handle.wait(max(0.0, deadline_s - time.monotonic()))
-        if job.fetched.fence is not None:
-            job.fetched.fence.done.wait(max(0.0, deadline_s - time.monotonic()))
         held = job.held_block_ids + job.fetched.held_block_ids
         with contextlib.suppress(EngineStoppedError):
             loop.post(lambda: self.engine.pool.free(held))

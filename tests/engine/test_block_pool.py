@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.kv_cache_manager import KVCacheManager
 from engine.prefix_hash import extend_block_hashes, hash_block, prompt_block_hashes
 
 
@@ -132,3 +133,18 @@ def test_block_hashes_extend_the_chain_block_by_block():
     # The router hashes only blocks a cache can serve: never the one holding the last token.
     assert prompt_block_hashes(tokens[:32], 16) == (hashes[0],)
     assert prompt_block_hashes(tokens[:33], 16) == tuple(hashes)
+
+
+def test_blocks_a_peer_filled_are_found_by_the_prefix_match_after_our_own():
+    kv = KVCacheManager(BlockPool(8), block_size=4)
+    prompt = list(range(100, 114))  # 14 tokens: 3 full blocks end before the last token
+    hashes = prompt_block_hashes(prompt, 4)
+    [own] = kv.pool.allocate(1)  # computed here, then freed: cached-free
+    kv.pool.cache(own, hashes[0])
+    kv.pool.free([own])
+    assert kv.cached_prefix(prompt) == [0]
+    filled = kv.pool.allocate(2)  # what a peer fetch reads into
+    kv.cache_prompt_blocks(prompt, 1, filled)
+    assert kv.cached_prefix(prompt) == [0, 1, 2]
+    kv.pool.free(filled)
+    kv.pool.check_integrity()
