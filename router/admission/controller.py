@@ -148,20 +148,29 @@ class Admission:
 
     def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
         """(prefill, decode) workers with room now, one worker twice when aggregated, and the
-        ticket as the prefill worker was chosen by. The decode worker comes first: a prefill
-        worker that fetches can read the prefix it holds (Ticket.held_prefix_tokens)."""
+        ticket as the prefill worker was chosen by. With a prefix index the decode worker comes
+        first: a prefill worker that fetches can read the prefix it holds
+        (Ticket.held_prefix_tokens). Without one, the prefill worker does (the simulator's
+        colocated placement follows the prefill policy's choice)."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
             worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
             return None if worker is None else (worker, worker, ticket)
-        decode = self.policies.decode.choose(self.pool.views("decode"), ticket)
+        if self.prefixes is None:
+            prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+            decode = None if prefill is None else self._choose_decode(ticket)
+            return None if prefill is None or decode is None else (prefill, decode, ticket)
+        decode = self._choose_decode(ticket)
         if decode is None:
             return None
-        if self.prefixes is not None and decode.info.peer_fetch:
+        if decode.info.peer_fetch:
             held = self.prefixes.overlap_tokens(decode.info, ticket)
             ticket = replace(ticket, held_prefix_tokens=held)
         prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
         return None if prefill is None else (prefill, decode, ticket)
+
+    def _choose_decode(self, ticket: Ticket) -> WorkerView | None:
+        return self.policies.decode.choose(self.pool.views("decode"), ticket)
 
     def _place(self, ticket: Ticket) -> Lease | None:
         chosen = self._choose(ticket)
