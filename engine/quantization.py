@@ -169,11 +169,10 @@ def _small_linear(
     """A decode step's linear on the CPU as weight @ x^T. For a few rows MKL's x @ weight^T
     (what F.linear runs) takes a slow path: measured on this machine over the model's weights,
     2 rows 84-218 ms vs 18-40, 4 rows 81-935 vs 26-36, 32 rows 96 vs 88-93 (docs/engine.md).
-    One row goes to gemv either way, which reads the weights at half the speed of a 2-column
-    GEMM; padding it to two rows pays on one thread only: a 2-thread GEMM joins its threads on
-    every call, and on cores other processes hold that join measured 8.3 s a step vs 0.5."""
-    if rows == 1 and torch.get_num_threads() > 1:
-        return F.linear(x, weight, bias)
+    One row is padded to two: F.linear sends it to gemv, which read the weights at ~10 GB/s on
+    1 or 2 threads, against 17-19 GB/s for the padded GEMM on 1 thread and 25-33 GB/s on 2 (the
+    machine's read bandwidth is ~34 GB/s). On cores that other processes hold, any 2-thread
+    kernel waits for its slower thread at every join, gemv's step included (docs/engine.md)."""
     x2 = x.reshape(rows, x.shape[-1])
     if rows == 1:
         x2 = F.pad(x2, (0, 0, 0, 1))
