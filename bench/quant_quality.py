@@ -8,7 +8,7 @@ fp32 engine's greedy continuation, the other engine's argmax given fp32's own pr
 only happen where fp32's top two logits are close, so each flip is listed with fp32's margin
 there (top-1 minus top-2 log-probability, the same as the logit difference).
 
-The ladder rounds the fp32 decoder weights in place, then runs the fp32 engine: the engine's own
+The ladder rounds the fp32 decoder weights, then runs the fp32 engine on them: the engine's own
 int8 quantizer (what a quantized engine's prefill computes: chunks of more than 64 rows run one
 float GEMM of the dequantized weight), the int4 min/max codes, int8 with a scale per group of
 inputs (what-ifs that no kernel here runs), and plain bf16 / fp16 rounding. What it leaves out is
@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from engine import LLM, SamplingParams
-from engine.quantization import INT8_MAX, int4_groups, quantize_int8
+from engine.model import DecoderLayer
+from engine.quantization import INT8_MAX, PackedWeight, int4_groups, pack, quantize_int8
 
 PROMPTS = [
     "The capital of France is",
@@ -110,13 +111,25 @@ ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def decoder_weights(llm: LLM) -> list[torch.Tensor]:
-    layers = llm.engine.runner.model.layers
+LINEARS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+
+def plain_weights(layers: list[DecoderLayer]) -> list[list[torch.Tensor]]:
+    """Each layer's linear weights as plain tensors (a packed weight keeps its plain copy)."""
     return [
-        w
+        [
+            w.plain if isinstance(w, PackedWeight) else w
+            for w in map(layer.__getattribute__, LINEARS)
+        ]
         for layer in layers
-        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
     ]
+
+
+def set_weights(layers: list[DecoderLayer], weights: list[list[torch.Tensor]]) -> None:
+    """The layers' linear weights, prepared as the fp32 engine prepares them (engine.pack)."""
+    for layer, plain in zip(layers, weights, strict=True):
+        for name, w in zip(LINEARS, plain, strict=True):
+            setattr(layer, name, pack(w))
 
 
 def main() -> None:
@@ -127,12 +140,11 @@ def main() -> None:
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     reference, margins = greedy_continuations(llm, prompts)
     expected = [t for cont in reference for t in cont]
-    weights = decoder_weights(llm)
-    originals = [w.clone() for w in weights]
+    layers = llm.engine.runner.model.layers
+    originals = plain_weights(layers)
     results: dict[str, dict] = {}
     for name, rounding in ROUNDINGS.items():
-        for w, original in zip(weights, originals, strict=True):
-            w.copy_(rounding(original))
+        set_weights(layers, [[rounding(w) for w in ws] for ws in originals])
         forced = teacher_forced(llm, prompts, reference)
         flips = [i for i, (a, b) in enumerate(zip(forced, expected, strict=True)) if a != b]
         results[name] = {
@@ -145,8 +157,7 @@ def main() -> None:
             f"fp32 margins {results[name]['fp32_margins_at_flips']}",
             flush=True,
         )
-    for w, original in zip(weights, originals, strict=True):
-        w.copy_(original)
+    set_weights(layers, originals)
     summary = {
         "positions": len(expected),
         "fp32_positions_with_margin_below": {

@@ -7,7 +7,14 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from engine.config import ModelConfig
-from engine.quantization import Quantization, QuantizedWeight, linear, quantize, weight_tensors
+from engine.quantization import (
+    PreparedWeight,
+    Quantization,
+    linear,
+    pack,
+    prepare,
+    weight_tensors,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,12 +70,13 @@ class DecoderLayer:
         self.input_norm = w.pop(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = w.pop(f"{prefix}.post_attention_layernorm.weight")
 
-    def quantize(self, quantization: Quantization) -> None:
-        """Every linear weight of the layer to int8 or int4 (engine.quantization); norms stay."""
-        self.qkv_weight = quantize(self.qkv_weight, quantization)
-        self.o_weight = quantize(self.o_weight, quantization)
-        self.gate_up_weight = quantize(self.gate_up_weight, quantization)
-        self.down_weight = quantize(self.down_weight, quantization)
+    def prepare(self, quantization: Quantization) -> None:
+        """Every linear weight of the layer in its matmul's form (engine.quantization.prepare:
+        int8 / int4 codes, or packed for oneDNN); norms stay."""
+        self.qkv_weight = prepare(self.qkv_weight, quantization)
+        self.o_weight = prepare(self.o_weight, quantization)
+        self.gate_up_weight = prepare(self.gate_up_weight, quantization)
+        self.down_weight = prepare(self.down_weight, quantization)
 
     def tensors(self) -> list[torch.Tensor]:
         linears = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
@@ -103,26 +111,25 @@ class DecoderLayer:
 class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-        device: torch.device, quantization: Quantization = "none", quantize_lm_head: bool = False,
+        device: torch.device, quantization: Quantization = "none",
     ) -> None:  # fmt: skip
         """weights: Hugging Face names -> tensors already in dtype on device (engine.loader);
-        the dict is consumed. quantization int8 / int4: the layers' linear weights (and the lm_head
-        where quantize_lm_head is on) to that scheme; the embedding table stays in dtype."""
+        the dict is consumed. quantization int8 / int4: the layers' linear weights to that
+        scheme. The lm_head keeps the model's dtype; on the CPU in float32 it and the layers'
+        float weights are packed for oneDNN (a tied head: a packed copy of the embedding table,
+        which lookups keep reading)."""
         self.cfg = cfg
         w = weights
         self.embed = w.pop("model.embed_tokens.weight")
-        self.lm_head: torch.Tensor | QuantizedWeight = (
+        self.lm_head: torch.Tensor | PreparedWeight = pack(
             self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
         )
         w.pop("lm_head.weight", None)  # a tied checkpoint may still carry its copy
         self.final_norm = w.pop("model.norm.weight")
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg, dtype, device)
-        if quantization != "none":
-            for layer in self.layers:
-                layer.quantize(quantization)
-            if quantize_lm_head:
-                self.lm_head = quantize(self.lm_head, quantization)
+        for layer in self.layers:
+            layer.prepare(quantization)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight and table the forward pass reads (to check where they live)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from bench.quant_quality import (
@@ -28,8 +29,10 @@ from engine.quantization import (
     INT4_GROUP,
     Int4Weight,
     Int8Weight,
+    PackedWeight,
     int4_groups,
     linear,
+    pack,
     quantize_int4,
     quantize_int8,
 )
@@ -86,6 +89,24 @@ def test_int8_kernel_matches_dequantized_weights():
     got = linear(x, q, bias)
     assert got.dtype == torch.float32 and got.shape == (3, 96)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_packed_weight_matches_the_plain_weight_at_every_row_count():
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    packed = pack(w)
+    assert isinstance(packed, PackedWeight) and packed.plain is w
+    bias = torch.randn(96)
+    # One and two rows read the plain copy, more run oneDNN's matmul on the packed one.
+    for rows in (1, 2, 3, 64, 65, 512):
+        x = torch.randn(rows, 64)
+        got = linear(x, packed, bias)
+        assert got.shape == (rows, 96)
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # Only float32 weights on the CPU are packed.
+    half = w.bfloat16()
+    assert pack(half) is half
 
 
 def test_int4_kernel_matches_dequantized_weights():
