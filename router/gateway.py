@@ -311,12 +311,15 @@ class Run:
         gateway = self.gateway
         if is_migration and self.num_migrations >= gateway.settings.max_migrations:
             raise error
-        if is_migration and self.job.params.structured_output is not None:
+        # Lost before its first token, a request starts over elsewhere as if new; after it,
+        # a move resumes one token sequence, which two kinds of request cannot do:
+        started = bool(self.output_token_ids)
+        if is_migration and started and self.job.params.structured_output is not None:
             # The new worker's grammar would start over inside an output already half
             # written: the client gets the error instead of output that breaks its schema.
             raise error
-        if is_migration and self.job.params.n > 1:
-            # A move resumes one token sequence; n samples are n sequences on one worker.
+        if is_migration and started and self.job.params.n > 1:
+            # n samples are n sequences on one worker.
             raise error
         excluded = self.ticket.excluded_decode_ids | {lost_id}
         decoders = gateway.pool.infos("decode") + gateway.pool.infos("aggregated")
@@ -336,13 +339,14 @@ class Run:
         num_streamed = len(self.output_token_ids)
         log.warning("%s: %s; moving it on after %d tokens", self.job.ticket.request_id,
                     error.message, num_streamed)  # fmt: skip
-        if self._resumed is None:
+        if self._resumed is None and started:
             self._resumed = ResumedText.replay(
                 gateway.tokenizer, self.job.params, self.output_token_ids, self.num_sent_chars
             )
         self.ticket = gateway.ticket(
             self.job.ticket.request_id, self.job.prompt_token_ids + self.output_token_ids,
             self.job.ticket.max_tokens - num_streamed, self.job.ticket.arrival_s, excluded,
+            self.job.ticket.num_seqs,
         )  # fmt: skip
         await self._dispatch()
 
