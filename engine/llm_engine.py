@@ -157,7 +157,7 @@ class LLMEngine:
         request = self.make_request(request_id, prompt, params)
         request.num_cached_tokens = self.kv.match_prefix(request)
         num_new_blocks = self.kv.num_new_blocks_needed(request, request.num_prompt_tokens)
-        limit = int(self.config.watermark * self.pool.num_blocks)
+        limit = self.scheduler.watermark_limit()
         if num_seqs > 0 and self.pool.num_used_blocks + num_new_blocks > limit:
             self.kv.free(request)
             raise EngineBusyError(
@@ -236,7 +236,7 @@ class LLMEngine:
         and frees both lists once the request has ended: held until then, they are the hits its
         prefix match finds."""
         self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
-        limit = int(self.config.watermark * self.pool.num_blocks)
+        limit = self.scheduler.watermark_limit()
         if num_blocks > self.pool.num_free_blocks or self.pool.num_used_blocks + num_blocks > limit:
             self.pool.free(reversed(own_block_ids))
             return None

@@ -76,12 +76,15 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def watermark_limit(self) -> int:
+        """The blocks in use past which no new work is admitted (while anything runs): the rest
+        is room for running requests to grow."""
+        return int(self.config.watermark * self.kv.pool.num_blocks)
+
     def _can_admit(self, request: Request, num_new: int) -> bool:
         pool = self.kv.pool
         num_new_blocks = self.kv.num_new_blocks_needed(request, num_new)
-        within_watermark = (
-            pool.num_used_blocks + num_new_blocks <= self.config.watermark * pool.num_blocks
-        )
+        within_watermark = pool.num_used_blocks + num_new_blocks <= self.watermark_limit()
         # An idle engine always admits one request, or a low watermark could stall forever.
         return num_new_blocks <= pool.num_free_blocks and (within_watermark or not self.running)
 
