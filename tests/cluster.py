@@ -97,6 +97,13 @@ class Cluster:
                 raise TimeoutError(f"{worker.worker_id} did not register in {timeout_s} s")
             time.sleep(0.2)
 
+    def wait_all_registered(self) -> None:
+        """Waits for every worker not registered yet: workers started with wait=False side by
+        side, so that their start-ups overlap."""
+        for worker in self.workers:
+            if worker.info is None:
+                self.wait_registered(worker)
+
     def load(self, worker: WorkerProcess):
         """The worker's live load, as its next heartbeat publishes it."""
         time.sleep(self.registry_ttl_s / 2)  # one heartbeat period (ttl/3) and a margin

@@ -151,8 +151,7 @@ def cpu_workers():
         with pytest.MonkeyPatch.context() as env:
             env.setenv("PDSERVE_DEVICE", "cpu")
             decode = cluster.start("decode", wait=False)
-        for worker in (prefill, decode):
-            cluster.wait_registered(worker)
+        cluster.wait_all_registered()
         yield prefill, decode
     finally:
         cluster.stop()

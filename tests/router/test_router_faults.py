@@ -46,9 +46,9 @@ def workers() -> Iterator[Cluster]:
     # A long registry TTL keeps a stopped worker listed while a test talks to it.
     started = Cluster(kv_backend="tcp", registry_ttl_s=20.0)
     try:
-        workers = [started.start(role, wait=False) for role in ("prefill", "decode", "decode")]
-        for w in workers:
-            started.wait_registered(w)
+        for role in ("prefill", "decode", "decode"):
+            started.start(role, wait=False)
+        started.wait_all_registered()
         yield started
     finally:
         started.stop()

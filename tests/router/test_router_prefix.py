@@ -33,8 +33,7 @@ def cluster() -> Iterator[Cluster]:
         for role in ("prefill", "prefill", "decode", "decode"):
             args = ("--num-blocks", str(PREFILL_BLOCKS)) if role == "prefill" else ()
             started.start(role, *args, wait=False)
-        for worker in started.workers:
-            started.wait_registered(worker)
+        started.wait_all_registered()
         yield started
     finally:
         started.stop()

@@ -22,13 +22,10 @@ from tests.cluster import Cluster, WorkerProcess
 def cluster() -> Iterator[Cluster]:
     started = Cluster(kv_backend="tcp")
     try:
-        workers = [
-            started.start("prefill", wait=False),
-            started.start("decode", "--max-num-seqs", "1", wait=False),  # decode-1: tiny
-            started.start("decode", wait=False),  # decode-2
-        ]
-        for worker in workers:
-            started.wait_registered(worker)
+        started.start("prefill", wait=False)
+        started.start("decode", "--max-num-seqs", "1", wait=False)  # decode-1: tiny
+        started.start("decode", wait=False)  # decode-2
+        started.wait_all_registered()
         yield started
     finally:
         started.stop()

@@ -17,8 +17,7 @@ def cluster(request):
     try:
         cluster.start("prefill", wait=False)
         cluster.start("decode", wait=False)
-        for worker in cluster.workers:
-            cluster.wait_registered(worker)
+        cluster.wait_all_registered()
         yield cluster
     finally:
         cluster.stop()

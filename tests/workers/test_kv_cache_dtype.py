@@ -24,8 +24,7 @@ def int8_cluster():
     try:
         for role, args in (("prefill", INT8), ("decode", INT8), ("prefill", ())):
             cluster.start(role, *args, wait=False)
-        for worker in cluster.workers:
-            cluster.wait_registered(worker)
+        cluster.wait_all_registered()
         yield cluster
     finally:
         cluster.stop()

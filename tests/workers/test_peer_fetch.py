@@ -30,8 +30,7 @@ def cluster() -> Iterator[Cluster]:
         started.start("prefill", wait=False)
         started.start("prefill", wait=False)
         started.start("decode", wait=False, program=FAULTY)  # UNREADABLE ids: reads fail
-        for worker in started.workers:
-            started.wait_registered(worker)
+        started.wait_all_registered()
         yield started
     finally:
         started.stop()

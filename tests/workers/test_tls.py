@@ -21,8 +21,7 @@ def test_workers_talk_mtls_and_refuse_clients_without_a_certificate(tmp_path):
     try:
         prefill = cluster.start("prefill", wait=False)
         decode = cluster.start("decode", wait=False)
-        for worker in (prefill, decode):
-            cluster.wait_registered(worker)
+        cluster.wait_all_registered()
         request = wpb.DecodeRequest(
             prompt_token_ids=[100, 200, 300],
             params=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
