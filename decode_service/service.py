@@ -16,13 +16,13 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
 import kvtransfer
 from decode_service import metrics
 from decode_service.quarantine import Quarantine
+from decode_service.settings import DecodeSettings
 from engine import InvalidRequestError, SamplingParams
 from engine.engine_loop import RequestStream
 from engine.errors import EngineDiedError
@@ -36,16 +36,6 @@ from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeSettings:
-    # The prefill phase's budget, every attempt and the KV landing included, within the
-    # request's own gRPC deadline.
-    prefill_timeout_s: float = 60.0
-    max_prefill_attempts: int = 2  # the router's pick, then one other prefill worker
-    local_prefill_fallback: bool = False  # prefill here when no prefill worker succeeds
-    aggregated: bool = False  # prefill every request here (role "aggregated" in the registry)
 
 
 class AttemptFailedError(RuntimeError):

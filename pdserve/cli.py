@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
-from typing import Annotated
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Annotated, Any
 
 import typer
 
+# Torch-free modules: the router command must not load torch (tests/router/test_router_torch_free).
+from decode_service.settings import DecodeSettings
+from engine.config import EngineConfig
+from pdserve.launcher import RestartPolicy
+from pdserve.lengths import LengthBuckets
+from pdserve.tls import TLSFiles
+from pdserve.worker_settings import WorkerSettings
+from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
+
 app = typer.Typer(help="Prefill/decode disaggregated LLM serving.", no_args_is_help=True)
+
+Scalar = bool | int | float | str
 
 
 def _setup_logging(level: str) -> None:
@@ -18,38 +32,64 @@ def _setup_logging(level: str) -> None:
     )
 
 
-# Options every worker takes; envvar names match the Helm chart's ConfigMap.
-RedisUrl = Annotated[str, typer.Option(envvar="REDIS_URL", help="Worker registry.")]
-Model = Annotated[str, typer.Option(envvar="PDSERVE_MODEL", help="Model name, .gguf or HF dir.")]
-DType = Annotated[
-    str,
-    typer.Option(
-        envvar="PDSERVE_DTYPE",
-        help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16.",
-    ),
-]
-Threads = Annotated[int, typer.Option(envvar="PDSERVE_THREADS", help="Torch threads; 0 = all.")]
-Host = Annotated[str, typer.Option(envvar="PDSERVE_HOST", help="Bind address.")]
-Advertise = Annotated[
-    str, typer.Option(envvar="PDSERVE_ADVERTISE_HOST", help="Address peers use; default: host.")
-]
-WorkerId = Annotated[str, typer.Option(envvar="PDSERVE_WORKER_ID", help="Default: hostname-pid.")]
-KVBackend = Annotated[str, typer.Option(envvar="PDSERVE_KV_BACKEND", help="auto | nixl | tcp.")]
-ChunkSize = Annotated[int, typer.Option(envvar="PDSERVE_CHUNK_SIZE", help="Prefill chunk.")]
-NumBlocks = Annotated[int, typer.Option(envvar="PDSERVE_NUM_BLOCKS", help="KV cache blocks.")]
-Grace = Annotated[float, typer.Option(envvar="PDSERVE_DRAIN_GRACE_S", help="Drain on SIGTERM.")]
-TTL = Annotated[float, typer.Option(envvar="PDSERVE_REGISTRY_TTL_S", help="Registry key TTL.")]
-LogLevel = Annotated[str, typer.Option(envvar="PDSERVE_LOG_LEVEL")]
-MaxSeqs = Annotated[
-    int, typer.Option(envvar="PDSERVE_MAX_NUM_SEQS", help="Requests in the batch at once.")
-]
-MaxRpcs = Annotated[
-    int,
-    typer.Option(
-        envvar="PDSERVE_MAX_CONCURRENT_RPCS",
-        help="Requests in flight at once; past it: RESOURCE_EXHAUSTED at once.",
-    ),
-]
+def _field_default(cls: type, name: str) -> Scalar:
+    """A settings field's default, read without building the class (EngineConfig's
+    __post_init__ resolves the device, which loads torch)."""
+    (found,) = [f for f in fields(cls) if f.name == name]
+    assert found.default is not MISSING, f"{cls.__name__}.{name} has no default"
+    return found.default
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting on the command line, declared once: `--name` (dashes for underscores), its
+    env var and help. An option `of` a settings class sets that class's field `name` and takes
+    its default from it; `default` is the command line's own (where the class has none, or
+    the command line spells the class's None as 0 or "", or deliberately differs)."""
+
+    name: str
+    env: str | None
+    help: str | None
+    of: type | None = None
+    own_default: Scalar | None = None
+    callback: Callable[[str], str] | None = None
+
+    @property
+    def default(self) -> Scalar:
+        if self.own_default is not None:
+            return self.own_default
+        assert self.of is not None, f"--{self.name} needs a default"
+        return _field_default(self.of, self.name)
+
+    def typer_option(self) -> Any:
+        return typer.Option(envvar=self.env, help=self.help, callback=self.callback)
+
+    def parameter(self) -> inspect.Parameter:
+        # The flag's type is its default's: every default here is a bool, int, float or str.
+        return inspect.Parameter(
+            self.name, inspect.Parameter.KEYWORD_ONLY, default=self.default,
+            annotation=Annotated[type(self.default), self.typer_option()],
+        )  # fmt: skip
+
+
+def _takes(options: Sequence[Option]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Gives a command `def f(**values)` one keyword parameter per option: typer builds a
+    command's flags from its function's signature, so this one is built from the table."""
+
+    def with_signature(command: Callable[..., None]) -> Callable[..., None]:
+        command.__signature__ = inspect.Signature([o.parameter() for o in options])  # type: ignore[attr-defined]
+        return command
+
+    return with_signature
+
+
+def _settings_of(cls: type, options: Sequence[Option], values: dict[str, Any], **rest: Any) -> Any:
+    """cls from the values of the options that set its fields (`of=cls`), plus `rest`."""
+    return cls(**{o.name: values[o.name] for o in options if o.of is cls}, **rest)
+
+
+def _tls(cert_file: str, key_file: str, ca_file: str) -> TLSFiles:
+    return TLSFiles(cert_file or None, key_file or None, ca_file or None)  # "": no file
 
 
 def _check_device(value: str) -> str:
@@ -64,200 +104,132 @@ def _check_device(value: str) -> str:
     return value
 
 
-Device = Annotated[
-    str,
-    typer.Option(
-        envvar="PDSERVE_DEVICE", callback=_check_device,
-        help="auto (CUDA when torch sees a GPU) | cpu | cuda | cuda:N.",
+# ---- the options, each declared once; env var names match the Helm chart's ConfigMap --------
+REDIS_URL = Option(
+    "redis_url", "REDIS_URL", "Worker registry.", own_default="redis://127.0.0.1:6379/0"
+)
+MODEL = Option("model", "PDSERVE_MODEL", "Model name, .gguf or HF dir.", EngineConfig)
+DTYPE = Option(
+    "dtype", "PDSERVE_DTYPE", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16.",
+    EngineConfig,
+)  # fmt: skip
+THREADS = Option("threads", "PDSERVE_THREADS", "Torch threads; 0 = all.", own_default=0)
+HOST = Option("host", "PDSERVE_HOST", "Bind address.", WorkerSettings)
+KV_BACKEND = Option("kv_backend", "PDSERVE_KV_BACKEND", "auto | nixl | tcp.", WorkerSettings)
+DRAIN_GRACE = Option("drain_grace_s", "PDSERVE_DRAIN_GRACE_S", "Drain on SIGTERM.", WorkerSettings)
+WARMUP = Option("warmup", None, "Warm each length bucket first.", WorkerSettings)
+TLS = (
+    Option("tls_cert_file", "PDSERVE_TLS_CERT_FILE", "PEM; empty = no TLS.", own_default=""),
+    Option("tls_key_file", "PDSERVE_TLS_KEY_FILE", "PEM private key.", own_default=""),
+    Option(
+        "tls_ca_file", "PDSERVE_TLS_CA_FILE", "PEM CA: peers must present certs.", own_default=""
     ),
-]  # fmt: skip
-CudaGraphs = Annotated[
-    bool,
-    typer.Option(envvar="PDSERVE_CUDA_GRAPHS", help="Replay decode steps as CUDA graphs (CUDA)."),
-]
-Attention = Annotated[
-    str,
-    typer.Option(envvar="PDSERVE_ATTENTION_BACKEND", help="auto | flashinfer | flash_attn | sdpa."),
-]
-Quantization = Annotated[
-    str,
-    typer.Option(
-        envvar="PDSERVE_QUANTIZATION",
-        help="none | int8 | int4 (weight-only int8 / group-wise int4 linears; int4 CPU-only).",
-    ),
-]
-KVCacheDtype = Annotated[
-    str,
-    typer.Option(
-        envvar="PDSERVE_KV_CACHE_DTYPE",
-        help="auto (the model's dtype) | int8 (per-token scales; prefill and decode must agree).",
-    ),
-]
-PeerFetch = Annotated[
-    bool,
-    typer.Option(
-        envvar="PDSERVE_PEER_FETCH",
-        help="Prefix reuse across workers: decode lets prefill read the prompt prefix it holds; "
-        "prefill reads it instead of computing it when the transfer is faster.",
-    ),
-]
-TlsCert = Annotated[str, typer.Option(envvar="PDSERVE_TLS_CERT_FILE", help="PEM; empty = no TLS.")]
-TlsKey = Annotated[str, typer.Option(envvar="PDSERVE_TLS_KEY_FILE", help="PEM private key.")]
-TlsCa = Annotated[
-    str, typer.Option(envvar="PDSERVE_TLS_CA_FILE", help="PEM CA: peers must present certs.")
-]
+)
+LOG_LEVEL = Option("log_level", "PDSERVE_LOG_LEVEL", None, own_default="info")
+ROUTING_POLICY = Option(
+    "routing_policy", "PDSERVE_ROUTING_POLICY", "watermark | round_robin | hash.",
+    own_default=_field_default(RoutingSettings, "policy"),
+)  # fmt: skip
+ADMISSION = Option(
+    "admission", "PDSERVE_ADMISSION", "length_aware | fifo.",
+    own_default=_field_default(AdmissionSettings, "mode"),
+)  # fmt: skip
 
 
-def _worker_settings(role, *, redis_url, model, dtype, threads, host, port, advertise_host,
-                     metrics_port, worker_id, kv_backend, chunk_size, num_blocks, drain_grace_s,
-                     registry_ttl_s, warmup, tls_cert_file, tls_key_file, tls_ca_file,
-                     max_concurrent_rpcs, max_num_seqs, device, cuda_graphs,
-                     attention_backend, quantization="none", kv_cache_dtype="auto",
-                     peer_fetch):  # fmt: skip
-    from engine import EngineConfig
-    from pdserve.tls import TLSFiles
-    from pdserve.worker_runtime import WorkerSettings
+def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
+    """What prefill and decode workers share; they differ in their fixed default ports only
+    (WorkerSettings' 0 lets the OS pick, for tests; users and the chart rely on these)."""
+    return (
+        REDIS_URL, MODEL, DTYPE, THREADS, HOST,
+        Option("port", "PDSERVE_PORT", "gRPC; 0 = any.", WorkerSettings, port),
+        Option("advertise_host", "PDSERVE_ADVERTISE_HOST", "Address peers use; default: host.",
+               own_default=""),
+        Option("metrics_port", "PDSERVE_METRICS_PORT", None, WorkerSettings, metrics_port),
+        Option("worker_id", "PDSERVE_WORKER_ID", "Default: hostname-pid.", own_default=""),
+        KV_BACKEND,
+        Option("chunk_size", "PDSERVE_CHUNK_SIZE", "Prefill chunk.", EngineConfig),
+        Option("num_blocks", "PDSERVE_NUM_BLOCKS", "KV cache blocks.", EngineConfig),
+        DRAIN_GRACE,
+        Option("registry_ttl_s", "PDSERVE_REGISTRY_TTL_S", "Registry key TTL.", WorkerSettings),
+        WARMUP, *TLS,
+        Option("max_concurrent_rpcs", "PDSERVE_MAX_CONCURRENT_RPCS",
+               "Requests in flight at once; past it: RESOURCE_EXHAUSTED at once.", WorkerSettings),
+        Option("max_num_seqs", "PDSERVE_MAX_NUM_SEQS", "Requests in the batch at once.",
+               EngineConfig),
+        Option("device", "PDSERVE_DEVICE",
+               "auto (CUDA when torch sees a GPU) | cpu | cuda | cuda:N.", EngineConfig,
+               callback=_check_device),
+        Option("cuda_graphs", "PDSERVE_CUDA_GRAPHS", "Replay decode steps as CUDA graphs (CUDA).",
+               EngineConfig),
+        Option("attention_backend", "PDSERVE_ATTENTION_BACKEND",
+               "auto | flashinfer | flash_attn | sdpa.", EngineConfig),
+        Option("quantization", "PDSERVE_QUANTIZATION",
+               "none | int8 | int4 (weight-only int8 / group-wise int4 linears; int4 CPU-only).",
+               EngineConfig),
+        Option("kv_cache_dtype", "PDSERVE_KV_CACHE_DTYPE",
+               "auto (the model's dtype) | int8 (per-token scales; prefill and decode must agree).",
+               EngineConfig),
+        Option("peer_fetch", "PDSERVE_PEER_FETCH",
+               "Prefix reuse across workers: decode lets prefill read the prompt prefix it holds; "
+               "prefill reads it instead of computing it when the transfer is faster.",
+               WorkerSettings),
+    )  # fmt: skip
 
-    return WorkerSettings(
-        role=role,
-        worker_id=worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
-        redis_url=redis_url,
-        host=host,
-        port=port,
-        advertise_host=advertise_host or None,
-        metrics_port=metrics_port,
-        kv_backend=kv_backend,
-        registry_ttl_s=registry_ttl_s,
-        drain_grace_s=drain_grace_s,
-        max_concurrent_rpcs=max_concurrent_rpcs,
-        warmup=warmup,
-        peer_fetch=peer_fetch,
-        tls=TLSFiles(tls_cert_file or None, tls_key_file or None, tls_ca_file or None),
-        engine=EngineConfig(
-            model=model, dtype=dtype, chunk_size=chunk_size, num_blocks=num_blocks,
-            num_threads=threads or None, max_num_seqs=max_num_seqs, device=device,
-            cuda_graphs=cuda_graphs, attention_backend=attention_backend,
-            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-        ),
+
+PREFILL_OPTIONS = (*_worker_options(port=50061, metrics_port=9400), LOG_LEVEL)
+DECODE_OPTIONS = (
+    *_worker_options(port=50062, metrics_port=9401),
+    Option("prefill_timeout_s", "PDSERVE_PREFILL_TIMEOUT_S",
+           "The whole prefill phase (every attempt and the KV landing).", DecodeSettings),
+    Option("local_prefill_fallback", "PDSERVE_LOCAL_PREFILL_FALLBACK",
+           "Prefill here when no prefill worker succeeds.", DecodeSettings),
+    Option("aggregated", "PDSERVE_AGGREGATED",
+           "Prefill every request here, chunked into the decode batch (no prefill pool).",
+           DecodeSettings),
+    LOG_LEVEL,
+)  # fmt: skip
+
+
+def _worker_settings(
+    role: str, options: Sequence[Option], values: dict[str, Any]
+) -> WorkerSettings:
+    engine = _settings_of(EngineConfig, options, values, num_threads=values["threads"] or None)
+    return _settings_of(
+        WorkerSettings, options, values, role=role, redis_url=values["redis_url"],
+        worker_id=values["worker_id"] or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        advertise_host=values["advertise_host"] or None, engine=engine,
+        tls=_tls(values["tls_cert_file"], values["tls_key_file"], values["tls_ca_file"]),
     )  # fmt: skip
 
 
 @app.command()
-def prefill(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
-    model: Model = "smollm2-135m",
-    dtype: DType = "auto",
-    threads: Threads = 0,
-    host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(envvar="PDSERVE_PORT", help="gRPC; 0 = any.")] = 50061,
-    advertise_host: Advertise = "",
-    metrics_port: Annotated[int, typer.Option(envvar="PDSERVE_METRICS_PORT")] = 9400,
-    worker_id: WorkerId = "",
-    kv_backend: KVBackend = "auto",
-    chunk_size: ChunkSize = 512,
-    num_blocks: NumBlocks = 1024,
-    drain_grace_s: Grace = 30.0,
-    registry_ttl_s: TTL = 6.0,
-    warmup: Annotated[bool, typer.Option(help="Warm each length bucket first.")] = True,
-    tls_cert_file: TlsCert = "",
-    tls_key_file: TlsKey = "",
-    tls_ca_file: TlsCa = "",
-    max_concurrent_rpcs: MaxRpcs = 128,
-    max_num_seqs: MaxSeqs = 64,
-    device: Device = "auto",
-    cuda_graphs: CudaGraphs = True,
-    attention_backend: Attention = "auto",
-    quantization: Quantization = "none",
-    kv_cache_dtype: KVCacheDtype = "auto",
-    peer_fetch: PeerFetch = True,
-    log_level: LogLevel = "info",
-) -> None:
+@_takes(PREFILL_OPTIONS)
+def prefill(**values: Any) -> None:
     """Run a prefill worker."""
     from prefill_service.server import start
 
-    _setup_logging(log_level)
-    settings = _worker_settings(
-        "prefill",
-        redis_url=redis_url, model=model, dtype=dtype, threads=threads, host=host, port=port,
-        advertise_host=advertise_host, metrics_port=metrics_port, worker_id=worker_id,
-        kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
-        drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
-        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
-        max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
-        cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype, peer_fetch=peer_fetch,
-    )  # fmt: skip
+    _setup_logging(values["log_level"])
+    settings = _worker_settings("prefill", PREFILL_OPTIONS, values)
     raise typer.Exit(start(settings).serve_forever())
 
 
 @app.command()
-def decode(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
-    model: Model = "smollm2-135m",
-    dtype: DType = "auto",
-    threads: Threads = 0,
-    host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(envvar="PDSERVE_PORT", help="gRPC; 0 = any.")] = 50062,
-    advertise_host: Advertise = "",
-    metrics_port: Annotated[int, typer.Option(envvar="PDSERVE_METRICS_PORT")] = 9401,
-    worker_id: WorkerId = "",
-    kv_backend: KVBackend = "auto",
-    chunk_size: ChunkSize = 512,
-    num_blocks: NumBlocks = 1024,
-    drain_grace_s: Grace = 30.0,
-    registry_ttl_s: TTL = 6.0,
-    warmup: Annotated[bool, typer.Option(help="Warm each length bucket first.")] = True,
-    tls_cert_file: TlsCert = "",
-    tls_key_file: TlsKey = "",
-    tls_ca_file: TlsCa = "",
-    max_concurrent_rpcs: MaxRpcs = 128,
-    max_num_seqs: MaxSeqs = 64,
-    device: Device = "auto",
-    cuda_graphs: CudaGraphs = True,
-    attention_backend: Attention = "auto",
-    quantization: Quantization = "none",
-    kv_cache_dtype: KVCacheDtype = "auto",
-    peer_fetch: PeerFetch = True,
-    prefill_timeout_s: Annotated[float, typer.Option(envvar="PDSERVE_PREFILL_TIMEOUT_S")] = 60.0,
-    local_prefill_fallback: Annotated[
-        bool, typer.Option(envvar="PDSERVE_LOCAL_PREFILL_FALLBACK")
-    ] = False,
-    aggregated: Annotated[
-        bool,
-        typer.Option(
-            envvar="PDSERVE_AGGREGATED",
-            help="Prefill every request here, chunked into the decode batch (no prefill pool).",
-        ),
-    ] = False,
-    log_level: LogLevel = "info",
-) -> None:
+@_takes(DECODE_OPTIONS)
+def decode(**values: Any) -> None:
     """Run a decode worker (--aggregated: one that also prefills, taking whole requests)."""
     from decode_service.server import start
-    from decode_service.service import DecodeSettings
 
-    _setup_logging(log_level)
-    decode_settings = DecodeSettings(
-        prefill_timeout_s=prefill_timeout_s, local_prefill_fallback=local_prefill_fallback,
-        aggregated=aggregated,
-    )  # fmt: skip
-    settings = _worker_settings(
-        "aggregated" if aggregated else "decode",
-        redis_url=redis_url, model=model, dtype=dtype, threads=threads, host=host, port=port,
-        advertise_host=advertise_host, metrics_port=metrics_port, worker_id=worker_id,
-        kv_backend=kv_backend, chunk_size=chunk_size, num_blocks=num_blocks,
-        drain_grace_s=drain_grace_s, registry_ttl_s=registry_ttl_s, warmup=warmup,
-        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_ca_file=tls_ca_file,
-        max_concurrent_rpcs=max_concurrent_rpcs, max_num_seqs=max_num_seqs, device=device,
-        cuda_graphs=cuda_graphs, attention_backend=attention_backend, quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype, peer_fetch=peer_fetch,
-    )  # fmt: skip
+    _setup_logging(values["log_level"])
+    decode_settings = _settings_of(DecodeSettings, DECODE_OPTIONS, values)
+    role = "aggregated" if decode_settings.aggregated else "decode"
+    settings = _worker_settings(role, DECODE_OPTIONS, values)
     raise typer.Exit(start(settings, decode_settings).serve_forever())
 
 
 @app.command()
 def generate(
     prompt: str,
-    model: Model = "smollm2-135m",
+    model: Annotated[str, MODEL.typer_option()] = MODEL.default,
     max_tokens: int = 64,
     temperature: float = 0.0,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the chat template.")] = True,
@@ -273,182 +245,118 @@ def generate(
     typer.echo(out.text)
 
 
-# The router's defaults live in its settings classes; the options below only expose them.
-def _router_defaults():
-    from router.settings import AdmissionSettings, RouterSettings
+ROUTER_OPTIONS = (
+    REDIS_URL, replace(MODEL, of=RouterSettings), replace(HOST, of=RouterSettings),
+    Option("http_port", "PDSERVE_HTTP_PORT", "0 = any.", RouterSettings),
+    Option("grpc_port", "PDSERVE_GRPC_PORT", "0 = any.", RouterSettings),
+    Option("api_key", "PDSERVE_API_KEY", "Bearer key clients must send.", own_default=""),
+    ROUTING_POLICY, ADMISSION,
+    Option("prefill_token_budget", "PDSERVE_PREFILL_TOKEN_BUDGET", "Per prefill worker.",
+           AdmissionSettings),
+    Option("max_queued_requests", "PDSERVE_MAX_QUEUED_REQUESTS", None, AdmissionSettings),
+    Option("ttft_slo_s", "PDSERVE_TTFT_SLO_S",
+           "Predicted TTFT above this: 429. 0 = 30 s, or none when only --max-queue-wait-s is "
+           "set.", own_default=0.0),
+    Option("max_queue_wait_s", "PDSERVE_MAX_QUEUE_WAIT_S", "Estimated; 429 above. 0 = off.",
+           own_default=0.0),
+    Option("queue_timeout_s", "PDSERVE_QUEUE_TIMEOUT_S", None, AdmissionSettings),
+    Option("short_below", "PDSERVE_SHORT_BELOW", "Short: fewer prompt tokens.", LengthBuckets),
+    Option("long_above", "PDSERVE_LONG_ABOVE", "Long: more prompt tokens.", LengthBuckets),
+    Option("medium_delay_s", None, "Aging delay.", AdmissionSettings),
+    Option("long_delay_s", None, "Aging delay.", AdmissionSettings),
+    Option("watermark_a", None, None, RoutingSettings),
+    Option("watermark_b", None, None, RoutingSettings),
+    Option("prefix_prefill_weight", "PDSERVE_PREFIX_PREFILL_WEIGHT",
+           "Watermark policy: weight of the prefill seconds a worker's prefix cache saves "
+           "(0 = load only).", RoutingSettings),
+    Option("prefix_decode_weight", "PDSERVE_PREFIX_DECODE_WEIGHT",
+           "Watermark policy: weight of the prompt KV fraction a decode worker holds "
+           "(0 = load only).", RoutingSettings),
+    Option("default_prefill_tokens_per_s", None, "For workers that have not measured yet.",
+           AdmissionSettings),
+    Option("max_prompt_tokens", None, "0 = the context minus one.", own_default=0),
+    Option("max_body_bytes", None, None, RouterSettings),
+    *TLS,
+    Option("worker_ca_file", "PDSERVE_WORKER_TLS_CA_FILE", None, own_default=""),
+    Option("worker_cert_file", "PDSERVE_WORKER_TLS_CERT_FILE", None, own_default=""),
+    Option("worker_key_file", "PDSERVE_WORKER_TLS_KEY_FILE", None, own_default=""),
+    THREADS, replace(DRAIN_GRACE, of=RouterSettings),
+    Option("request_timeout_s", "PDSERVE_REQUEST_TIMEOUT_S", "Deadline per request.",
+           RouterSettings),
+    Option("max_migrations", "PDSERVE_MAX_MIGRATIONS", "Moves to another decode worker.",
+           RouterSettings),
+    LOG_LEVEL,
+)  # fmt: skip
 
-    return RouterSettings(redis_url=""), AdmissionSettings()
 
-
-_R, _A = _router_defaults()
-Policy = Annotated[
-    str, typer.Option(envvar="PDSERVE_ROUTING_POLICY", help="watermark | round_robin | hash.")
-]
-Admission = Annotated[str, typer.Option(envvar="PDSERVE_ADMISSION", help="length_aware | fifo.")]
+def _router_settings(values: dict[str, Any]) -> RouterSettings:
+    v, options = values, ROUTER_OPTIONS
+    admission = _settings_of(
+        AdmissionSettings, options, v, mode=v["admission"],
+        buckets=_settings_of(LengthBuckets, options, v),
+        ttft_slo_s=v["ttft_slo_s"] or None, max_queue_wait_s=v["max_queue_wait_s"] or None,
+    )  # fmt: skip
+    return _settings_of(
+        RouterSettings, options, v, redis_url=v["redis_url"], api_key=v["api_key"] or None,
+        max_prompt_tokens=v["max_prompt_tokens"] or None, num_threads=v["threads"] or None,
+        tls=_tls(v["tls_cert_file"], v["tls_key_file"], v["tls_ca_file"]),
+        worker_tls=_tls(v["worker_cert_file"], v["worker_key_file"], v["worker_ca_file"]),
+        admission=admission,
+        routing=_settings_of(RoutingSettings, options, v, policy=v["routing_policy"]),
+    )  # fmt: skip
 
 
 @app.command()
-def router(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
-    model: Model = _R.model,
-    host: Host = _R.host,
-    http_port: Annotated[int, typer.Option(envvar="PDSERVE_HTTP_PORT", help="0 = any.")] = 8000,
-    grpc_port: Annotated[int, typer.Option(envvar="PDSERVE_GRPC_PORT", help="0 = any.")] = 50051,
-    api_key: Annotated[
-        str, typer.Option(envvar="PDSERVE_API_KEY", help="Bearer key clients must send.")
-    ] = "",
-    routing_policy: Policy = _R.routing.policy,
-    admission: Admission = _A.mode,
-    prefill_token_budget: Annotated[
-        int, typer.Option(envvar="PDSERVE_PREFILL_TOKEN_BUDGET", help="Per prefill worker.")
-    ] = _A.prefill_token_budget,
-    max_queued_requests: Annotated[
-        int, typer.Option(envvar="PDSERVE_MAX_QUEUED_REQUESTS")
-    ] = _A.max_queued_requests,
-    ttft_slo_s: Annotated[
-        float,
-        typer.Option(
-            envvar="PDSERVE_TTFT_SLO_S",
-            help="Predicted TTFT above this: 429. 0 = 30 s, or none when only "
-            "--max-queue-wait-s is set.",
-        ),
-    ] = 0.0,
-    max_queue_wait_s: Annotated[
-        float,
-        typer.Option(envvar="PDSERVE_MAX_QUEUE_WAIT_S", help="Estimated; 429 above. 0 = off."),
-    ] = 0.0,
-    queue_timeout_s: Annotated[
-        float, typer.Option(envvar="PDSERVE_QUEUE_TIMEOUT_S")
-    ] = _A.queue_timeout_s,
-    short_below: Annotated[
-        int, typer.Option(envvar="PDSERVE_SHORT_BELOW", help="Short: fewer prompt tokens.")
-    ] = _A.buckets.short_below,
-    long_above: Annotated[
-        int, typer.Option(envvar="PDSERVE_LONG_ABOVE", help="Long: more prompt tokens.")
-    ] = _A.buckets.long_above,
-    medium_delay_s: Annotated[float, typer.Option(help="Aging delay.")] = _A.medium_delay_s,
-    long_delay_s: Annotated[float, typer.Option(help="Aging delay.")] = _A.long_delay_s,
-    watermark_a: float = _R.routing.watermark_a,
-    watermark_b: float = _R.routing.watermark_b,
-    prefix_prefill_weight: Annotated[
-        float,
-        typer.Option(
-            envvar="PDSERVE_PREFIX_PREFILL_WEIGHT",
-            help="Watermark policy: weight of the prefill seconds a worker's prefix cache "
-            "saves (0 = load only).",
-        ),
-    ] = _R.routing.prefix_prefill_weight,
-    prefix_decode_weight: Annotated[
-        float,
-        typer.Option(
-            envvar="PDSERVE_PREFIX_DECODE_WEIGHT",
-            help="Watermark policy: weight of the prompt KV fraction a decode worker holds "
-            "(0 = load only).",
-        ),
-    ] = _R.routing.prefix_decode_weight,
-    default_prefill_tokens_per_s: Annotated[
-        float, typer.Option(help="For workers that have not measured yet.")
-    ] = _A.default_prefill_tokens_per_s,
-    max_prompt_tokens: Annotated[int, typer.Option(help="0 = the context minus one.")] = 0,
-    max_body_bytes: int = _R.max_body_bytes,
-    tls_cert_file: TlsCert = "",
-    tls_key_file: TlsKey = "",
-    tls_ca_file: TlsCa = "",
-    worker_ca_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_CA_FILE")] = "",
-    worker_cert_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_CERT_FILE")] = "",
-    worker_key_file: Annotated[str, typer.Option(envvar="PDSERVE_WORKER_TLS_KEY_FILE")] = "",
-    threads: Threads = 0,
-    drain_grace_s: Grace = _R.drain_grace_s,
-    request_timeout_s: Annotated[
-        float, typer.Option(envvar="PDSERVE_REQUEST_TIMEOUT_S", help="Deadline per request.")
-    ] = _R.request_timeout_s,
-    max_migrations: Annotated[
-        int, typer.Option(envvar="PDSERVE_MAX_MIGRATIONS", help="Moves to another decode worker.")
-    ] = _R.max_migrations,
-    log_level: LogLevel = "info",
-) -> None:
+@_takes(ROUTER_OPTIONS)
+def router(**values: Any) -> None:
     """Run the router: OpenAI-compatible HTTP and public gRPC in front of the worker pools."""
     import asyncio
 
-    from pdserve.lengths import LengthBuckets
-    from pdserve.tls import TLSFiles
     from router.server import serve
-    from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
 
-    _setup_logging(log_level)
-    settings = RouterSettings(
-        redis_url=redis_url, model=model, host=host, http_port=http_port, grpc_port=grpc_port,
-        api_key=api_key or None, max_body_bytes=max_body_bytes,
-        max_prompt_tokens=max_prompt_tokens or None, drain_grace_s=drain_grace_s,
-        num_threads=threads or None, request_timeout_s=request_timeout_s,
-        max_migrations=max_migrations,
-        tls=TLSFiles(tls_cert_file or None, tls_key_file or None, tls_ca_file or None),
-        worker_tls=TLSFiles(worker_cert_file or None, worker_key_file or None,
-                            worker_ca_file or None),
-        admission=AdmissionSettings(
-            mode=admission, buckets=LengthBuckets(short_below, long_above),
-            medium_delay_s=medium_delay_s, long_delay_s=long_delay_s,
-            prefill_token_budget=prefill_token_budget, max_queued_requests=max_queued_requests,
-            ttft_slo_s=ttft_slo_s or None, max_queue_wait_s=max_queue_wait_s or None,
-            queue_timeout_s=queue_timeout_s,
-            default_prefill_tokens_per_s=default_prefill_tokens_per_s,
-        ),
-        routing=RoutingSettings(
-            routing_policy, watermark_a, watermark_b, prefix_prefill_weight, prefix_decode_weight
-        ),
-    )  # fmt: skip
-    asyncio.run(serve(settings))
+    _setup_logging(values["log_level"])
+    asyncio.run(serve(_router_settings(values)))
 
 
-def _restart_defaults():
-    from pdserve.launcher import RestartPolicy
-
-    return RestartPolicy()
-
-
-_RESTART = _restart_defaults()
+UP_OPTIONS = (
+    Option("prefill", None, "Prefill workers.", own_default=1),
+    Option("decode", None, "Decode workers.", own_default=1),
+    Option("aggregated", None, "Aggregated workers (prefill + decode in one).", own_default=0),
+    MODEL, DTYPE, KV_BACKEND, HOST,
+    Option("http_port", None, "Router HTTP; 0 = any.", RouterSettings),
+    Option("grpc_port", None, "Router gRPC; 0 = any.", RouterSettings),
+    Option("cores", None, "Cores to divide among workers; 0 = all.", own_default=0),
+    replace(WARMUP, help="Workers warm each length bucket."),
+    ROUTING_POLICY, ADMISSION,
+    Option("log_dir", None, "Child logs; default: a new temp dir.", own_default=""),
+    Option("restart_backoff_s", "PDSERVE_RESTART_BACKOFF_S", "First restart delay.",
+           own_default=_field_default(RestartPolicy, "backoff_s")),
+    Option("max_restart_backoff_s", "PDSERVE_MAX_RESTART_BACKOFF_S",
+           "Cap of a crash loop's delay.",
+           own_default=_field_default(RestartPolicy, "max_backoff_s")),
+)  # fmt: skip
 
 
 @app.command()
-def up(
-    num_prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,
-    num_decode: Annotated[int, typer.Option("--decode", help="Decode workers.")] = 1,
-    num_aggregated: Annotated[
-        int, typer.Option("--aggregated", help="Aggregated workers (prefill + decode in one).")
-    ] = 0,
-    model: Model = "smollm2-135m",
-    dtype: DType = "auto",
-    kv_backend: KVBackend = "auto",
-    host: Host = "127.0.0.1",
-    http_port: Annotated[int, typer.Option(help="Router HTTP; 0 = any.")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="Router gRPC; 0 = any.")] = 50051,
-    cores: Annotated[int, typer.Option(help="Cores to divide among workers; 0 = all.")] = 0,
-    warmup: Annotated[bool, typer.Option(help="Workers warm each length bucket.")] = True,
-    routing_policy: Policy = _R.routing.policy,
-    admission: Admission = _A.mode,
-    log_dir: Annotated[str, typer.Option(help="Child logs; default: a new temp dir.")] = "",
-    restart_backoff_s: Annotated[
-        float, typer.Option(envvar="PDSERVE_RESTART_BACKOFF_S", help="First restart delay.")
-    ] = _RESTART.backoff_s,
-    max_restart_backoff_s: Annotated[
-        float,
-        typer.Option(envvar="PDSERVE_MAX_RESTART_BACKOFF_S", help="Cap of a crash loop's delay."),
-    ] = _RESTART.max_backoff_s,
-) -> None:
+@_takes(UP_OPTIONS)
+def up(**values: Any) -> None:
     """Run a whole local cluster: Redis, the workers and the router (PDSERVE_API_KEY, when
     set, protects the router). A process that dies is restarted with backoff; Ctrl-C or
     SIGTERM stops it all."""
     from pathlib import Path
 
-    from pdserve.launcher import ClusterSpec, LocalCluster, RestartPolicy, run_until_signalled
+    from pdserve.launcher import ClusterSpec, LocalCluster, run_until_signalled
 
-    restart = RestartPolicy(restart_backoff_s, max_restart_backoff_s, _RESTART.stable_after_s)
+    v = values
+    restart = RestartPolicy(
+        backoff_s=v["restart_backoff_s"], max_backoff_s=v["max_restart_backoff_s"]
+    )
     spec = ClusterSpec(
-        num_prefill=num_prefill, num_decode=num_decode, num_aggregated=num_aggregated,
-        model=model, dtype=dtype,
-        kv_backend=kv_backend, host=host, http_port=http_port, grpc_port=grpc_port,
-        num_cores=cores, warmup=warmup, log_dir=Path(log_dir) if log_dir else None,
-        router_args=("--routing-policy", routing_policy, "--admission", admission),
+        num_prefill=v["prefill"], num_decode=v["decode"], num_aggregated=v["aggregated"],
+        model=v["model"], dtype=v["dtype"], kv_backend=v["kv_backend"], host=v["host"],
+        http_port=v["http_port"], grpc_port=v["grpc_port"], num_cores=v["cores"],
+        warmup=v["warmup"], log_dir=Path(v["log_dir"]) if v["log_dir"] else None,
+        router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),
         restart=restart,
     )  # fmt: skip
     raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))

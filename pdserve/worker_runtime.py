@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,13 +17,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Gauge, Histogram, start_http_server
 
 import kvtransfer
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineDiedError
 from pdserve.kv_events import CacheEventPublisher
-from pdserve.lengths import LengthBuckets
-from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
-from pdserve.tls import TLSFiles, server_credentials
+from pdserve.registry import Heartbeat, Registry, WorkerInfo, WorkerLoad
+from pdserve.tls import server_credentials
+from pdserve.worker_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,32 +46,6 @@ STEP_SECONDS = Histogram(
     "pdserve_engine_step_seconds", "Duration of one engine step",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    role: Role
-    worker_id: str
-    redis_url: str
-    host: str = "127.0.0.1"  # where the gRPC, metrics and tcp KV servers bind
-    port: int = 0  # 0: the OS picks (tests); the CLI defaults to fixed ports
-    advertise_host: str | None = None  # how peers reach us (the pod IP on Kubernetes)
-    metrics_port: int = 0
-    kv_backend: kvtransfer.Backend = "auto"
-    registry_ttl_s: float = 6.0
-    drain_grace_s: float = 30.0
-    # Requests in flight at once (RPCs other than health and reflection); past it a caller gets
-    # RESOURCE_EXHAUSTED at once instead of queueing silently behind the thread pool.
-    max_concurrent_rpcs: int = 128
-    warmup: bool = True
-    # Cross-worker prefix reuse: a decode worker lets its prefill worker read the prefix it
-    # already holds, and a prefill worker lacking it reads it when that beats computing it.
-    peer_fetch: bool = True
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    length_buckets: LengthBuckets = field(default_factory=LengthBuckets)
-    # Serves gRPC with this cert (requiring client certs when a CA is set) and presents it when
-    # calling peer workers. KV bytes themselves travel over NIXL/UCX or TCP, not over TLS.
-    tls: TLSFiles = field(default_factory=TLSFiles)
 
 
 # Threads beyond the request limit: health checks, reflection and quick rejections always run.
