@@ -44,8 +44,9 @@ def _field_default(cls: type, name: str) -> Scalar:
 class Option:
     """One setting on the command line, declared once: `--name` (dashes for underscores), its
     env var and help. An option `of` a settings class sets that class's field `name` and takes
-    its default from it; `default` is the command line's own (where the class has none, or
-    the command line spells the class's None as 0 or "", or deliberately differs)."""
+    its default from it. `own_default` is the command line's own: where no class field has
+    the name, where the command line spells the field's None as 0 or "", or (the workers'
+    fixed ports) where it deliberately differs."""
 
     name: str
     env: str | None
@@ -141,10 +142,11 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
     (WorkerSettings' 0 lets the OS pick, for tests; users and the chart rely on these)."""
     return (
         REDIS_URL, MODEL, DTYPE, THREADS, HOST,
-        Option("port", "PDSERVE_PORT", "gRPC; 0 = any.", WorkerSettings, port),
+        Option("port", "PDSERVE_PORT", "gRPC; 0 = any.", WorkerSettings, own_default=port),
         Option("advertise_host", "PDSERVE_ADVERTISE_HOST", "Address peers use; default: host.",
                own_default=""),
-        Option("metrics_port", "PDSERVE_METRICS_PORT", None, WorkerSettings, metrics_port),
+        Option("metrics_port", "PDSERVE_METRICS_PORT", None, WorkerSettings,
+               own_default=metrics_port),
         Option("worker_id", "PDSERVE_WORKER_ID", "Default: hostname-pid.", own_default=""),
         KV_BACKEND,
         Option("chunk_size", "PDSERVE_CHUNK_SIZE", "Prefill chunk.", EngineConfig),
