@@ -87,10 +87,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, index: int = 0
-    ) -> Request:
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, index: int = 0,
+        num_prior_output_tokens: int = 0,
+    ) -> Request:  # fmt: skip
         """Validates and builds a request without queueing it (typed errors on bad input);
-        index > 0: a sample the engine forks (sample_ids names it)."""
+        index > 0: a sample the engine forks (sample_ids names it). num_prior_output_tokens:
+        the prompt's last tokens are the output of a request moved here mid-stream, which the
+        output rules count as output (params are the request's own, max_tokens included)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if index == 0 and SAMPLE_MARK in request_id:  # no request can take a sample's id
@@ -109,23 +112,33 @@ class LLMEngine:
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
             raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside [0, {vocab})")
+        _check_prior_output(num_prior_output_tokens, len(token_ids), params)
+        num_prior = num_prior_output_tokens
         constraint = params.structured_output
         return Request(
             request_id=request_id,
             token_ids=token_ids,
             num_prompt_tokens=len(token_ids),
             params=params,
-            generator=make_generator(params, self.config.device),
+            generator=make_generator(params, self.config.device, num_prior),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
-            max_total_tokens=min(self.max_model_len, len(token_ids) + params.max_tokens),
+            max_total_tokens=min(
+                self.max_model_len, len(token_ids) - num_prior + params.max_tokens
+            ),
             eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
             arrival_time_s=self.clock(),
             matcher=None if constraint is None else self.grammars.matcher(constraint),
             index=index,
+            num_prior_output_tokens=num_prior,
         )
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
-        return self.enqueue(self.make_request(request_id, prompt, params))
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        num_prior_output_tokens: int = 0,
+    ) -> Request:  # fmt: skip
+        return self.enqueue(self.make_request(
+            request_id, prompt, params, num_prior_output_tokens=num_prior_output_tokens
+        ))  # fmt: skip
 
     def enqueue(self, request: Request) -> Request:
         """Queues a request built by make_request."""
@@ -140,8 +153,9 @@ class LLMEngine:
 
     # ---- remote prefill (the decode worker's side of disaggregation) ------------------------
     def reserve_for_remote_prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> Request:
+        self, request_id: str, prompt: list[int], params: SamplingParams,
+        num_prior_output_tokens: int = 0,
+    ) -> Request:  # fmt: skip
         """Allocates blocks for a prompt whose KV another worker computes. Blocks already in the
         prefix cache are reused; the rest (request.block_ids[num_cached // block_size:]) must
         be written by the sender before commit_remote_prefill. Refuses (EngineBusyError) what
@@ -154,7 +168,9 @@ class LLMEngine:
                 f"{num_seqs} requests are running or awaiting KV; max_num_seqs is "
                 f"{self.config.max_num_seqs}{samples}"
             )
-        request = self.make_request(request_id, prompt, params)
+        request = self.make_request(
+            request_id, prompt, params, num_prior_output_tokens=num_prior_output_tokens
+        )
         request.num_cached_tokens = self.kv.match_prefix(request)
         num_new_blocks = self.kv.num_new_blocks_needed(request, request.num_prompt_tokens)
         limit = self.scheduler.watermark_limit()
@@ -345,3 +361,20 @@ def _progress(request: Request) -> StepOutput:
     return StepOutput(
         request.request_id, [], "", request.num_computed_tokens, False, None, index=request.index
     )
+
+
+def _check_prior_output(num_prior: int, num_prompt: int, params: SamplingParams) -> None:
+    """A moved request's output before the move: the tail of its prompt, one sample, short
+    of max_tokens (else nothing was left to generate)."""
+    if num_prior == 0:
+        return
+    if not 0 < num_prior < min(num_prompt, params.max_tokens):
+        raise InvalidRequestError(
+            f"num_prior_output_tokens must be in [0, {min(num_prompt, params.max_tokens)}) "
+            f"(the prompt's {num_prompt} tokens and max_tokens {params.max_tokens}), got "
+            f"{num_prior}"
+        )
+    if params.n > 1:
+        raise InvalidRequestError(
+            f"a request with output before a move has one sample, not n={params.n}"
+        )

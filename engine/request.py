@@ -51,9 +51,12 @@ class Request:
     # With params.structured_output: the grammar's state after every token so far.
     matcher: LLMatcher | None = None
     index: int = 0  # which of its request's params.n samples this is (sample 0: the request)
+    # The prompt's last tokens that were output already: a request moved mid-stream from a
+    # lost worker resumes from its prompt plus what that worker streamed.
+    num_prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.output = OutputText(self.detokenizer)
+        self.output = OutputText(self.detokenizer, num_tokens=self.num_prior_output_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +73,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """The output the output rules count (penalties, min_tokens, max_tokens): this
+        engine's and, after a move, the tokens streamed before it."""
+        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.num_output_tokens + self.num_prior_output_tokens
 
     @property
     def text(self) -> str:

@@ -30,15 +30,21 @@ TOP_P_CANDIDATES = 256
 WIDENING = 16
 
 
-def make_generator(params: SamplingParams, device: str) -> torch.Generator | None:
-    """One generator per request, so a seeded request samples the same tokens in any batch."""
+def make_generator(
+    params: SamplingParams, device: str, num_drawn: int = 0
+) -> torch.Generator | None:
+    """One generator per request, so a seeded request samples the same tokens in any batch.
+    num_drawn: tokens sampled already (a request resumed after a move): each took exactly one
+    draw (_draw), so skipping as many continues the seeded stream where it was."""
     if params.is_greedy:
         return None
     generator = torch.Generator(device=device)
     if params.seed is None:
         generator.seed()
-    else:
-        generator.manual_seed(params.seed)
+        return generator
+    generator.manual_seed(params.seed)
+    for _ in range(num_drawn):
+        torch.rand(1, generator=generator, device=device)
     return generator
 
 
@@ -100,7 +106,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """Until a request has min_tokens output tokens, its EOS and stop token ids cannot win."""
     rows, token_ids = [], []
     for i, r in enumerate(requests):
-        if r.num_output_tokens < r.params.min_tokens:
+        if r.num_generated_tokens < r.params.min_tokens:
             ends = [*r.params.stop_token_ids, *([] if r.eos_token_id is None else [r.eos_token_id])]
             rows.extend([i] * len(ends))
             token_ids.extend(ends)
@@ -113,7 +119,8 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """vLLM's penalties: a repetition penalty r divides a positive logit by r and multiplies a
     negative one by r, for every token seen in the prompt or the output; then the frequency
     penalty is subtracted once per time a token was generated and the presence penalty once for
-    every token generated at all. The prompt counts for the repetition penalty only.
+    every token generated at all. The prompt counts for the repetition penalty only (but for
+    a moved request's output before the move, Request.generated_token_ids).
 
     Only the (row, token) entries a request has seen are touched (a few hundred, where a dense
     [rows, vocab] pass costs tens of ms on a CPU); every other entry is left as the dense
@@ -125,7 +132,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
             tokens = set(r.token_ids)  # prompt and output
             seen.add(i, tokens, [p.repetition_penalty] * len(tokens))
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            counts = Counter(r.output_token_ids)
+            counts = Counter(r.generated_token_ids)
             outputs.add(i, counts, [p.frequency_penalty * c for c in counts.values()])
             outputs.extra.extend([p.presence_penalty] * len(counts))
     device = logits.device

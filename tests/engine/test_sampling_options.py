@@ -162,6 +162,66 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
         llm.engine.make_request("bias", PROMPT, SamplingParams(logit_bias={49152: 1.0}))
 
 
+def resumed_cases(llm) -> list[tuple[str, SamplingParams]]:
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}])
+    return [
+        (
+            PROMPT,
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **PENALTIES["all"][0]),
+        ),  # fmt: skip
+        (chat, SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[30], min_tokens=8)),
+        (
+            PROMPT,
+            SamplingParams(
+                max_tokens=12, temperature=0.8, seed=11, frequency_penalty=0.5, ignore_eos=True
+            ),
+        ),  # fmt: skip
+    ]
+
+
+@pytest.mark.parametrize("num_prior", [1, 4])
+def test_a_request_resumed_after_its_first_tokens_goes_on_as_uninterrupted(llm, num_prior):
+    """A request moved mid-stream resumes from its prompt plus its output so far: counting
+    that tail as output (penalties, min_tokens, max_tokens, the seeded stream), it picks the
+    same tokens as the uninterrupted run."""
+    cases = resumed_cases(llm)
+    whole = llm.generate([prompt for prompt, _ in cases], [params for _, params in cases])
+    assert [out.finish_reason for out in whole] == ["length", "stop", "length"]
+    assert len(whole[1].token_ids) > 8  # min_tokens held back the stop token (see above)
+    engine = llm.engine
+    resumed = [
+        engine.enqueue(
+            engine.make_request(
+                f"resumed-{num_prior}-{i}",
+                out.prompt_token_ids + out.token_ids[:num_prior],
+                params,
+                num_prior_output_tokens=num_prior,
+            )
+        )  # fmt: skip
+        for i, ((_, params), out) in enumerate(zip(cases, whole, strict=True))
+    ]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, (request, out) in enumerate(zip(resumed, whole, strict=True)):
+        assert request.output_token_ids == out.token_ids[num_prior:], i
+        assert request.finish_reason == out.finish_reason, i
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "num_prior, fields, message",
+    [
+        (4, {"max_tokens": 4}, r"num_prior_output_tokens must be in \[0, 4\) \(the prompt's 12 "
+                               r"tokens and max_tokens 4\), got 4"),
+        (2, {"n": 2}, "a request with output before a move has one sample, not n=2"),
+    ],
+)  # fmt: skip
+def test_a_resumed_request_that_cannot_be_is_refused(llm, num_prior, fields, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.engine.make_request("resumed", PROMPT, SamplingParams(**fields),
+                                num_prior_output_tokens=num_prior)  # fmt: skip
+
+
 LOGPROB_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 1, 2, 3, 5, 8,"]
 
 
