@@ -122,6 +122,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     ):  # fmt: skip
         prompt = list(request.prompt_token_ids)
         params = wire.sampling_params(request.params)
+        num_prior = request.num_prior_output_tokens
         n = params.n
         remaining_s = context.time_remaining()
         deadline_s = time.monotonic() + min(
@@ -131,10 +132,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         aggregated = self.settings.aggregated
         if aggregated:  # decoding from the start: the engine owns the request (and aborts it)
             watch.begin_decoding()
-            reserved, stream = loop.call(lambda: self._start_locally(rid, prompt, params))
+            reserved, stream = loop.call(
+                lambda: self._start_locally(rid, prompt, params, num_prior)
+            )
         else:
             reserved = loop.call(
-                lambda: self.engine.reserve_for_remote_prefill(rid, prompt, params)
+                lambda: self.engine.reserve_for_remote_prefill(rid, prompt, params, num_prior)
             )
         # Runs when the call ends for any reason: in the prefill phase it only interrupts (the
         # handler fences, then frees); once decoding, the engine aborts (a no-op if finished).
@@ -157,7 +160,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                     raise
                 log.warning("%s: %s; prefilling locally", rid, e)
                 watch.begin_decoding()
-                stream = loop.call(lambda: self._restart_locally(rid, prompt, params))
+                stream = loop.call(lambda: self._restart_locally(rid, prompt, params, num_prior))
             else:
                 if prefill is not None:
                     metrics.PREFILL_SECONDS.labels(bucket).observe(time.monotonic() - started)
@@ -201,15 +204,17 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         return stream
 
     def _restart_locally(
-        self, rid: str, prompt: list[int], params: SamplingParams
+        self, rid: str, prompt: list[int], params: SamplingParams, num_prior: int
     ) -> RequestStream:
         self.engine.abort_request(rid)
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, params, num_prior)
         return self.loop.open_stream(rid, params.n)
 
-    def _start_locally(self, rid: str, prompt: list[int], params: SamplingParams):
+    def _start_locally(
+        self, rid: str, prompt: list[int], params: SamplingParams, num_prior: int
+    ) -> tuple[Request, RequestStream]:
         """Engine thread, aggregated: the request and its token stream (usage reads it)."""
-        stream = self._restart_locally(rid, prompt, params)
+        stream = self._restart_locally(rid, prompt, params, num_prior)
         return self.engine.requests[rid], stream
 
     def _remote_prefill(
@@ -226,6 +231,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         message = wpb.PrefillRequest(
             prompt_token_ids=reserved.prompt_token_ids,
             params=wire.sampling_proto(params),
+            num_prior_output_tokens=request.num_prior_output_tokens,
             kv_destination=wpb.KVDestination(
                 agent_metadata=self.runtime.kv_agent.metadata(),
                 num_cached_blocks=num_cached_blocks,

@@ -63,15 +63,19 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         remaining_s = context.time_remaining()
         deadline_s = time.monotonic() + (DEFAULT_TIMEOUT_S if remaining_s is None else remaining_s)
         # The prefill engine samples only the first token (of sample 0: the decode worker
-        # forks the others); stop rules are the decode's job, but the first token obeys
-        # min_tokens too (EOS and stop tokens suppressed).
+        # forks the others), the one after the output a moved request had already; stop
+        # rules are the decode's job, but that token obeys min_tokens too (EOS and stop
+        # tokens suppressed).
         asked = wire.sampling_params(request.params)
-        params = replace(asked, max_tokens=1, min_tokens=min(asked.min_tokens, 1), n=1)
+        num_prior = request.num_prior_output_tokens
+        num_through_first = num_prior + 1
+        params = replace(asked, max_tokens=num_through_first,
+                         min_tokens=min(asked.min_tokens, num_through_first), n=1)  # fmt: skip
         job = PrefillJob(rid, dest.agent_metadata, list(dest.block_ids), dest.num_cached_blocks)
         loop = self.runtime.loop
 
         def admit():
-            engine_request = self.engine.add_request(rid, prompt, params)
+            engine_request = self.engine.add_request(rid, prompt, params, num_prior)
             self.jobs[rid] = job
             return engine_request, loop.open_stream(rid)
 

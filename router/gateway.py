@@ -254,17 +254,12 @@ class Run:
                 self.lease = await gateway.admission.admit(ticket)
         except TimeoutError:
             raise DeadlineExceeded("the request's deadline passed in the admission queue") from None
-        num_streamed = len(self.output_token_ids)
-        params = job.params
-        if num_streamed:
-            params = replace(
-                params, max_tokens=params.max_tokens - num_streamed,
-                min_tokens=max(0, params.min_tokens - num_streamed),
-            )  # fmt: skip
+        # After a move, the worker counts the streamed tokens at the prompt's end as output.
         request = wpb.DecodeRequest(
             request_id=ticket.request_id,
             prompt_token_ids=job.prompt_token_ids + self.output_token_ids,
-            params=wire.sampling_proto(params),
+            num_prior_output_tokens=len(self.output_token_ids),
+            params=wire.sampling_proto(job.params),
             prefill_address=self.lease.prefill.address,
             router_queue_s=self.lease.queue_wait_s,
         )

@@ -1,7 +1,8 @@
 """Faults under the router, over real processes (Redis, one prefill and two decode workers):
 a stopped decode or prefill worker ends the request at its deadline with a clean error, never
 a hang; a decode worker killed mid-stream loses no request: each moves to the other decode
-worker and finishes with exactly the tokens an uninterrupted run gives."""
+worker and finishes with exactly the tokens an uninterrupted run gives, penalties and
+min_tokens counting the tokens streamed before the move."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import httpx
@@ -20,11 +22,12 @@ from router_harness import MODEL, InProcessRouter, one_torch_thread, pool_of, sp
 from engine import SamplingParams
 from engine.stop import OutputText
 from engine.tokenizer import IncrementalDetokenizer
+from pdserve import wire
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router import metrics
 from router.gateway import Gateway
-from router.settings import RouterSettings
+from router.settings import RouterSettings, RoutingSettings
 from tests.cluster import Cluster, WorkerProcess
 
 DEADLINE_S = 3.0
@@ -146,36 +149,21 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(workers, llm):
     stops = {i: spanning_stop(reference_pieces(llm.tokenizer, want[i].token_ids), 3, 26)
              for i in (2, 5)}  # fmt: skip
     router = router_for(workers, max_migrations=1)
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
-    progress = [0] * len(PROMPTS)
-    lock = threading.Lock()
 
-    def stream(i: int) -> list[pb.GenerateResponse]:
+    def params(i: int) -> pb.SamplingParams:
         stop = [stops[i][0]] if i in stops else []
-        params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                                   stop=stop)  # fmt: skip
-        messages = []
-        for message in stub.Generate(pb.GenerateRequest(text=PROMPTS[i], params=params),
-                                     timeout=300):  # fmt: skip
-            messages.append(message)
-            with lock:
-                progress[i] += len(message.token_ids)
-        return messages
+        return pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stop=stop)
 
+    requests = [pb.GenerateRequest(text=p, params=params(i)) for i, p in enumerate(PROMPTS)]
     try:
-        with ThreadPoolExecutor(len(PROMPTS)) as threads:
-            futures = [threads.submit(stream, i) for i in range(len(PROMPTS))]
-            deadline = time.monotonic() + 240
-            while min(progress) < 2:
-                assert not any(f.done() for f in futures), [f.exception() for f in futures]
-                assert time.monotonic() < deadline, progress
-                time.sleep(0.02)
+        with Streams(router, requests) as streams:
+            streams.wait_for_tokens(2)
             victim, num_on_victim = busiest_decode_worker(workers, router)
             before = metrics.MIGRATIONS.labels(victim.worker_id)._value.get()
             victim.kill()
-            with lock:  # every stream was unfinished when the worker died
-                assert max(progress) <= MAX_TOKENS - 6, progress
-            results = [f.result(timeout=300) for f in futures]
+            with streams.lock:  # every stream was unfinished when the worker died
+                assert max(streams.progress) <= MAX_TOKENS - 6, streams.progress
+            results = streams.results()
         for i, (messages, expected) in enumerate(zip(results, want, strict=True)):
             token_ids = [t for m in messages for t in m.token_ids]
             text = "".join(m.text for m in messages)
@@ -202,15 +190,101 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(workers, llm):
         router.stop()
 
 
-def busiest_decode_worker(cluster: Cluster, router: InProcessRouter) -> tuple[WorkerProcess, int]:
-    """The decode worker with the most of this router's requests in flight, and how many."""
+class Streams:
+    """Generate calls to a router, each in its own thread, their tokens counted as they come."""
+
+    def __init__(self, router: InProcessRouter, requests: list[pb.GenerateRequest]) -> None:
+        self.stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+        self.progress = [0] * len(requests)
+        self.lock = threading.Lock()
+        self.threads = ThreadPoolExecutor(len(requests))
+        self.futures = [self.threads.submit(self._stream, i, r) for i, r in enumerate(requests)]
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.threads.shutdown()
+
+    def _stream(self, i: int, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        messages = []
+        for message in self.stub.Generate(request, timeout=300):
+            messages.append(message)
+            with self.lock:
+                self.progress[i] += len(message.token_ids)
+        return messages
+
+    def wait_for_tokens(self, num_tokens: int, timeout_s: float = 240.0) -> None:
+        """Until every stream has num_tokens tokens; none may end before."""
+        deadline = time.monotonic() + timeout_s
+        while min(self.progress) < num_tokens:
+            assert not any(f.done() for f in self.futures), [f.exception() for f in self.futures]
+            assert time.monotonic() < deadline, self.progress
+            time.sleep(0.02)
+
+    def results(self) -> list[list[pb.GenerateResponse]]:
+        return [f.result(timeout=300) for f in self.futures]
+
+
+def busiest_decode_worker(
+    cluster: Cluster, router: InProcessRouter, num_requests: int = len(PROMPTS)
+) -> tuple[WorkerProcess, int]:
+    """The decode worker with the most of this router's num_requests in flight, and how many."""
     views = httpx.get(f"{router.http_url}/admin/workers", timeout=10).json()["workers"]
     counts = {v["worker_id"]: v["assigned_here"]["requests"] for v in views
               if v["role"] == "decode"}  # fmt: skip
-    assert sum(counts.values()) == len(PROMPTS), json.dumps(counts)
+    assert sum(counts.values()) == num_requests, json.dumps(counts)
     worker_id = max(sorted(counts), key=counts.__getitem__)
     (victim,) = [w for w in cluster.workers if w.worker_id == worker_id]
     return victim, counts[worker_id]
+
+
+MOVED_PROMPT = "List the letters: A B C"
+MOVED_MAX_TOKENS = 24
+
+
+def min_tokens_case(llm) -> SamplingParams:
+    """Greedy with a stop token id that ends the plain run early, and a min_tokens that holds
+    it back past there: the request ends only once min_tokens tokens are out in all."""
+    plain = llm.generate(MOVED_PROMPT, SamplingParams(max_tokens=MOVED_MAX_TOKENS,
+                                                      temperature=0, ignore_eos=True))  # fmt: skip
+    token_ids = plain[0].token_ids
+    at, stop_id = next((i, t) for i, t in enumerate(token_ids) if i >= 6 and t not in token_ids[:i])
+    return SamplingParams(max_tokens=MOVED_MAX_TOKENS, temperature=0, ignore_eos=True,
+                          stop_token_ids=[stop_id], min_tokens=at + 4)  # fmt: skip
+
+
+def test_a_moved_request_counts_the_tokens_it_streamed_as_output(workers, llm):
+    """Penalties and min_tokens count every generated token, those streamed before a move
+    (the new worker's prompt now) too: a moved request gives the uninterrupted tokens."""
+    if len(of_role(workers, "decode")) < 2:
+        workers.start("decode")
+    greedy = SamplingParams(max_tokens=MOVED_MAX_TOKENS, temperature=0, ignore_eos=True)
+    with one_torch_thread():
+        cases = [replace(greedy, frequency_penalty=1.0), replace(greedy, presence_penalty=1.0),
+                 min_tokens_case(llm)]  # fmt: skip
+        want = llm.generate([MOVED_PROMPT] * len(cases), cases)
+    # The hash policy puts one prompt's requests on one decode worker: all three move.
+    router = router_for(workers, max_migrations=1, routing=RoutingSettings(policy="hash"))
+    requests = [pb.GenerateRequest(text=MOVED_PROMPT, params=wire.sampling_proto(params))
+                for params in cases]  # fmt: skip
+    try:
+        with Streams(router, requests) as streams:
+            streams.wait_for_tokens(2)
+            victim, num_on_victim = busiest_decode_worker(workers, router, len(cases))
+            assert num_on_victim == len(cases)
+            before = metrics.MIGRATIONS.labels(victim.worker_id)._value.get()
+            victim.kill()
+            results = streams.results()
+        assert metrics.MIGRATIONS.labels(victim.worker_id)._value.get() - before == len(cases)
+        for i, (messages, expected) in enumerate(zip(results, want, strict=True)):
+            assert [t for m in messages for t in m.token_ids] == expected.token_ids, i
+            assert "".join(m.text for m in messages) == expected.text, i
+            assert messages[-1].finish_reason == expected.finish_reason, i
+        assert want[2].finish_reason == "stop"  # the stop token id, past min_tokens
+        wait_until_idle(workers)
+    finally:
+        router.stop()
 
 
 def test_a_request_with_n_samples_is_not_moved_when_its_decode_worker_dies(workers):
