@@ -78,6 +78,16 @@ def completion(router: InProcessRouter, max_tokens: int = 2) -> httpx.Response:
     return httpx.post(f"{router.http_url}/v1/completions", json=body, timeout=120)
 
 
+def two_live_decode_workers(cluster: Cluster) -> None:
+    """Starts one if an earlier test killed one, and unlists the killed (their keys outlive
+    them by the long TTL): a request moved onto one would find it gone."""
+    for w in cluster.workers:
+        if w.role == "decode" and w.process.poll() is not None:
+            cluster.registry.remove("decode", w.worker_id)
+    if len(of_role(cluster, "decode")) < 2:
+        cluster.start("decode")
+
+
 def wait_until_idle(cluster: Cluster, timeout_s: float = 120.0) -> None:
     """Every decode worker's KV blocks free again, by a heartbeat sent after this call."""
     since, deadline = time.time(), time.monotonic() + timeout_s
@@ -257,8 +267,7 @@ def min_tokens_case(llm) -> SamplingParams:
 def test_a_moved_request_counts_the_tokens_it_streamed_as_output(workers, llm):
     """Penalties and min_tokens count every generated token, those streamed before a move
     (the new worker's prompt now) too: a moved request gives the uninterrupted tokens."""
-    if len(of_role(workers, "decode")) < 2:
-        workers.start("decode")
+    two_live_decode_workers(workers)
     greedy = SamplingParams(max_tokens=MOVED_MAX_TOKENS, temperature=0, ignore_eos=True)
     with one_torch_thread():
         cases = [replace(greedy, frequency_penalty=1.0), replace(greedy, presence_penalty=1.0),
@@ -288,10 +297,9 @@ def test_a_moved_request_counts_the_tokens_it_streamed_as_output(workers, llm):
 
 
 def test_a_request_with_n_samples_is_not_moved_when_its_decode_worker_dies(workers):
-    """Runs last: it kills one of two decode workers (it starts one if an earlier test left
-    only one). A move resumes one token sequence, so n samples end with the error instead."""
-    if len(of_role(workers, "decode")) < 2:
-        workers.start("decode")
+    """Runs last: it kills one of two decode workers. A move resumes one token sequence, so
+    n samples end with the error instead."""
+    two_live_decode_workers(workers)
     router = router_for(workers, max_migrations=1)
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
     params = pb.SamplingParams(max_tokens=4000, ignore_eos=True, n=2)
