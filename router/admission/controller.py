@@ -21,7 +21,7 @@ from router import metrics
 from router.admission import metrics as admission_metrics
 from router.admission.drain import DrainRates
 from router.admission.queue import AdmissionQueue
-from router.errors import Overloaded, RejectReason, Unavailable
+from router.errors import InvalidRequest, Overloaded, RejectReason, Unavailable
 from router.ledger import Assignment
 from router.prefix_index import PrefixIndex
 from router.routing import RoutingPolicies
@@ -218,6 +218,7 @@ class Admission:
                         "when one is up"
                     )
         decode = self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "decode")
+        self._check_capacity(ticket, decode)
         num_free = sum(w.free_blocks for w in decode)
         num_total = sum(w.total_blocks for w in decode)
         if num_free < self.settings.kv_reject_below_ratio * num_total:
@@ -225,6 +226,23 @@ class Admission:
                 ticket, "kv_headroom",
                 f"decode KV cache is full ({num_free} of {num_total} blocks free)", 1.0,
             )  # fmt: skip
+
+    def _check_capacity(self, ticket: Ticket, decode: list[WorkerView]) -> None:
+        """A KV hold larger than the largest decode worker's whole cache fits nowhere, however
+        long it waits: refused at once. Only while every one reports its capacity (a worker
+        with 0 total blocks has not yet); a busy or empty pool is the checks' above and below."""
+        if not decode or any(w.total_blocks <= 0 for w in decode):
+            return
+        largest = max(w.total_blocks for w in decode)
+        if ticket.num_kv_blocks <= largest:
+            return
+        samples = f" for each of its {ticket.num_seqs} samples" if ticket.num_seqs > 1 else ""
+        raise InvalidRequest(
+            f"this request needs {ticket.num_kv_blocks} KV blocks of "
+            f"{self.settings.kv_block_size} tokens (its {ticket.num_prompt_tokens}-token prompt "
+            f"and an output reserve{samples}), the largest decode worker has {largest}",
+            code="kv_capacity_exceeded",
+        )
 
     def _check_queue(self, ticket: Ticket, wait_s: float) -> None:
         """For a request that has to wait: is there room, and would it get its first token in

@@ -8,7 +8,7 @@ import pytest
 from router_harness import Clock, pool_of, ticket, worker
 
 from router.admission import Admission, AdmissionQueue
-from router.errors import Overloaded, Unavailable
+from router.errors import InvalidRequest, Overloaded, Unavailable
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 from router.ticket import kv_blocks_held
@@ -168,6 +168,50 @@ def test_queue_timeout_and_kv_headroom_and_no_workers():
 
         with pytest.raises(Unavailable):
             await admission(worker("prefill", "p")).admit(ticket("r", 100))
+
+    asyncio.run(scenario())
+
+
+NEVER_FITS = [
+    pytest.param(ticket("long", 16400), "1026 KV blocks of 16 tokens (its 16400-token prompt and "
+                 "an output reserve)", id="prompt"),
+    pytest.param(ticket("wide", 100, max_tokens=800, num_seqs=25), "1281 KV blocks of 16 tokens "
+                 "(its 100-token prompt and an output reserve for each of its 25 samples)",
+                 id="samples"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("huge, needs", NEVER_FITS)
+def test_a_kv_hold_larger_than_every_decode_worker_is_refused_at_once(huge, needs):
+    async def scenario() -> None:
+        adm = admission(worker("prefill", "p"), worker("decode", "d1", total_blocks=512,
+                        free_blocks=512), worker("decode", "d2"))  # fmt: skip
+        with pytest.raises(InvalidRequest) as refused:
+            await adm.admit(huge)
+        assert refused.value.message == (
+            f"this request needs {needs}, the largest decode worker has 1024"
+        )
+        assert refused.value.code == "kv_capacity_exceeded"
+        assert len(adm.queue) == 0  # never queued, nothing held
+        assert [w.free_blocks for w in adm.pool.views("decode")] == [512, 1024]
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_that_fits_an_idle_worker_waits_and_an_unknown_capacity_refuses_nothing():
+    async def scenario() -> None:
+        # 975 blocks: the worker could hold them, once they are free (a busy pool).
+        busy = admission(worker("prefill", "p"), worker("decode", "d", free_blocks=900),
+                         queue_timeout_s=0.05)  # fmt: skip
+        with pytest.raises(Overloaded) as waited:
+            await busy.admit(ticket("wide", 100, max_tokens=800, num_seqs=19))
+        assert waited.value.reason == "queue_timeout"
+        # A worker that has not reported its capacity yet: no refusal on a guess.
+        unknown = admission(worker("prefill", "p"), worker("decode", "d", free_blocks=0,
+                            total_blocks=0), queue_timeout_s=0.05)  # fmt: skip
+        with pytest.raises(Overloaded) as waited:
+            await unknown.admit(ticket("wide", 100, max_tokens=800, num_seqs=25))
+        assert waited.value.reason == "queue_timeout"
 
     asyncio.run(scenario())
 

@@ -1,6 +1,7 @@
 """Backpressure on a real cluster: with prefill capacity saturated, excess requests are
 rejected at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED) while the admitted ones
-complete; afterwards the router admits again."""
+complete; afterwards the router admits again. A request that no decode worker could ever hold
+is no load: it gets a 400 at once."""
 
 from __future__ import annotations
 
@@ -124,3 +125,35 @@ def test_grpc_resource_exhausted_while_admitted_requests_complete(start_router):
         assert len(response.token_ids) == response.usage.completion_tokens >= 1
     again = complete("One, two, three,")
     assert (again.text, list(again.token_ids)) == (admitted[1].text, list(admitted[1].token_ids))
+
+
+def test_a_request_no_decode_worker_can_hold_gets_400_at_once(start_router):
+    """A KV hold past the largest decode worker's whole cache is no load to wait out: 400 /
+    INVALID_ARGUMENT naming the numbers, nothing queued or held; what fits is served."""
+    # Prompt "Hello" (1 token) + 4000 reserved tokens, 5 samples: 5 x 251 blocks.
+    router = start_router(admission=AdmissionSettings(kv_output_reserve_tokens=4096))
+    (decode,) = [w for w in admin(router)["workers"] if w["role"] == "decode"]
+    assert decode["reported_load"]["total_blocks"] == 1024
+    message = (
+        "this request needs 1255 KV blocks of 16 tokens (its 1-token prompt and an output "
+        "reserve for each of its 5 samples), the largest decode worker has 1024"
+    )
+    ask = {"model": MODEL, "prompt": "Hello", "max_tokens": 4000, "n": 5}
+    response = httpx.post(f"{router.http_url}/v1/completions", json=ask, timeout=60)
+    assert response.status_code == 400, response.text
+    error = {"message": message, "type": "invalid_request_error", "param": None,
+             "code": "kv_capacity_exceeded"}  # fmt: skip
+    assert response.json() == {"error": error}
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.grpc_address))
+    params = pb.SamplingParams(max_tokens=4000, n=5)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Complete(pb.GenerateRequest(text="Hello", params=params), timeout=60)
+    assert (refused.value.code(), refused.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, message,
+    )  # fmt: skip
+    view = admin(router)
+    assert [w["assigned_here"] for w in view["workers"]] == [{"amount": 0, "requests": 0}] * 2
+    assert sum(view["queue"].values()) == 0
+    fits = httpx.post(f"{router.http_url}/v1/completions", timeout=120,
+                      json=ask | {"max_tokens": 2, "n": 1, "temperature": 0})  # fmt: skip
+    assert fits.status_code == 200, fits.text
