@@ -64,6 +64,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.kv_quant import SCALE_BYTES as KV_SCALE_BYTES  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 from engine.quantization import INT4_GROUP  # noqa: E402
 
@@ -106,7 +107,6 @@ VARIANTS: dict[str, dict[str, str]] = {
 }
 BANDWIDTH_BYTES = 512 * 2**20  # well past the last-level cache: every read comes from DRAM
 BANDWIDTH_REPEATS = 5
-KV_SCALE_BYTES = 4  # an int8 KV cache: one float32 scale per token, layer, K/V and KV head
 
 _request_ids = itertools.count()
 # Wraps the timed part of a measurement: nullcontext, or a profiler.

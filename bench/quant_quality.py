@@ -12,20 +12,30 @@ The ladder rounds the fp32 decoder weights, then runs the fp32 engine on them: t
 int8 quantizer (what a quantized engine's prefill computes: chunks of more than 64 rows run one
 float GEMM of the dequantized weight), the int4 min/max codes, int8 with a scale per group of
 inputs (what-ifs that no kernel here runs), and plain bf16 / fp16 rounding. What it leaves out is
-the bf16 activations of the int8 and int4 kernels, which only decode steps run.
+the bf16 activations of the int8 and int4 kernels, which only decode steps run. Then the same for
+the KV cache: the engine's int8 cache (rotated rows, engine/kv_quant.py), and what-ifs that round
+K and V on their way into the fp32 cache (one int8 scale per plain row, bf16).
+
+Flips are few and land on near-ties, so their count is noisy; the noise itself is measured too:
+the RMS over all positions of how much fp32's top-2 margin moved (the other engine's log-prob
+difference between fp32's top two tokens, minus fp32's). A flip needs that move to exceed the
+margin.
 
 Prints a table, then a JSON summary as the last line: per rounding the agreement, the number of
-flips and fp32's margin at each, and how many positions fp32 itself decides by less than 0.1 and
-0.3 (in log-probability)."""
+flips and fp32's margin at each, the RMS margin move, and how many positions fp32 itself decides
+by less than 0.1 and 0.3 (in log-probability)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
+import engine.model as engine_model
 from engine import LLM, SamplingParams
 from engine.model import DecoderLayer
 from engine.quantization import INT8_MAX, PackedWeight, int4_groups, pack, quantize_int8
@@ -47,6 +57,7 @@ PROMPTS = [
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 NEAR_TIE_MARGINS = (0.1, 0.3)
+TOP_LOGPROBS = 8
 
 
 def greedy_continuations(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
@@ -62,12 +73,36 @@ def greedy_continuations(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[
 def teacher_forced(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> list[int]:
     """The engine's argmax at each position of the reference continuations, given the
     reference's own prefix (flattened, prompt-major)."""
+    return [o.token_ids[0] for o in _teacher_forced_outputs(llm, prompts, reference, 0)]
+
+
+def teacher_forced_top(
+    llm: LLM, prompts: list[list[int]], reference: list[list[int]]
+) -> tuple[list[int], list[dict[int, float]]]:
+    """teacher_forced, and at each position the engine's top TOP_LOGPROBS log-probabilities."""
+    outputs = _teacher_forced_outputs(llm, prompts, reference, TOP_LOGPROBS)
+    return [o.token_ids[0] for o in outputs], [dict(o.logprobs[0].top) for o in outputs]
+
+
+def _teacher_forced_outputs(llm, prompts, reference, logprobs: int):
     prefixes = [
         p + ref[:i] for p, ref in zip(prompts, reference, strict=True) for i in range(len(ref))
     ]
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     llm.engine.pool.reset_cache()
-    return [o.token_ids[0] for o in llm.generate(prefixes, one)]
+    return llm.generate(prefixes, one)
+
+
+def margin_moves(reference: list[dict[int, float]], other: list[dict[int, float]]) -> list[float]:
+    """Per position, how far the other engine moved fp32's top-2 margin (a token outside its
+    top list counts at the list's lowest log-probability)."""
+    moves = []
+    for ref, got in zip(reference, other, strict=True):
+        first, second = sorted(ref, key=ref.__getitem__, reverse=True)[:2]
+        floor = min(got.values())
+        moved = got.get(first, floor) - got.get(second, floor)
+        moves.append(moved - (ref[first] - ref[second]))
+    return moves
 
 
 def first_divergences(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
@@ -132,6 +167,32 @@ def set_weights(layers: list[DecoderLayer], weights: list[list[torch.Tensor]]) -
             setattr(layer, name, pack(w))
 
 
+def int8_plain_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V rounded to int8 with one scale per row, not rotated (the int8 cache before the
+    rotation)."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)
+    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX) * scale
+
+
+KV_ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "KV int8, one scale per plain row": int8_plain_rows,
+    "KV bf16": lambda x: x.bfloat16().float(),
+}
+
+
+@contextmanager
+def rounded_kv(rounding: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """The fp32 engine with every new K and V row rounded on its way into the cache (what the
+    layers read back, like a quantized cache's rows)."""
+    write_kv = engine_model.write_kv
+    engine_model.write_kv = lambda cache, meta, k, v: write_kv(cache, meta, rounding(k),
+                                                               rounding(v))  # fmt: skip
+    try:
+        yield
+    finally:
+        engine_model.write_kv = write_kv
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -140,24 +201,38 @@ def main() -> None:
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     reference, margins = greedy_continuations(llm, prompts)
     expected = [t for cont in reference for t in cont]
-    layers = llm.engine.runner.model.layers
-    originals = plain_weights(layers)
+    _, fp32_top = teacher_forced_top(llm, prompts, reference)
     results: dict[str, dict] = {}
-    for name, rounding in ROUNDINGS.items():
-        set_weights(layers, [[rounding(w) for w in ws] for ws in originals])
-        forced = teacher_forced(llm, prompts, reference)
+
+    def measure(name: str, other: LLM) -> None:
+        forced, top = teacher_forced_top(other, prompts, reference)
         flips = [i for i, (a, b) in enumerate(zip(forced, expected, strict=True)) if a != b]
+        moves = margin_moves(fp32_top, top)
         results[name] = {
             "agreement": round(1 - len(flips) / len(expected), 4),
             "flips": len(flips),
             "fp32_margins_at_flips": sorted(round(margins[i], 3) for i in flips),
+            "rms_margin_move": round(math.sqrt(sum(m * m for m in moves) / len(moves)), 4),
         }
+        r = results[name]
         print(
-            f"{name:42s} agreement {results[name]['agreement']:.4f}  flips {len(flips):2d}  "
-            f"fp32 margins {results[name]['fp32_margins_at_flips']}",
+            f"{name:42s} agreement {r['agreement']:.4f}  flips {len(flips):2d}  "
+            f"rms margin move {r['rms_margin_move']:.4f}  "
+            f"fp32 margins {r['fp32_margins_at_flips']}",
             flush=True,
         )
+
+    layers = llm.engine.runner.model.layers
+    originals = plain_weights(layers)
+    for name, rounding in ROUNDINGS.items():
+        set_weights(layers, [[rounding(w) for w in ws] for ws in originals])
+        measure(name, llm)
     set_weights(layers, originals)
+    for name, rounding in KV_ROUNDINGS.items():
+        with rounded_kv(rounding):
+            measure(name, llm)
+    measure("KV int8, rotated rows (the engine's)", LLM(num_threads=args.threads,
+                                                        kv_cache_dtype="int8"))  # fmt: skip
     summary = {
         "positions": len(expected),
         "fp32_positions_with_margin_below": {

@@ -6,8 +6,8 @@ one contiguous byte range, which is what the KV transfer moves):
     kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 A layer's view kv_cache[:, i] is [num_blocks, 2, block_size, num_kv_heads, head_dim] with a page
 stride of num_layers pages: the paged kernels (FlashInfer, flash-attn) read it in place.
-An int8 cache (--kv-cache-dtype int8) has rows of head_dim + 4 bytes, values then their scale
-(engine/kv_quant.py); only SDPA reads it, dequantizing what it gathers.
+An int8 cache (--kv-cache-dtype int8) has rows of head_dim + 2 bytes, rotated values then their
+scale (engine/kv_quant.py); only SDPA reads it, dequantizing what it gathers.
 """
 
 from __future__ import annotations
@@ -154,17 +154,21 @@ class AttentionBackend(ABC):
 def write_kv(
     layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stores the step's new K/V; returns them as the cache now holds them. Attention reads
-    those, never the unquantized ones, so with an int8 cache a fresh prompt, a chunk after
-    cached context and a decode all see the same keys (chunked == one-shot, hit == miss)."""
+    """Stores the step's new K/V; returns them as the cache now holds them (an int8 cache:
+    dequantized, still rotated). Attention reads those, never the unquantized ones, so with an
+    int8 cache a fresh prompt, a chunk after cached context and a decode all see the same keys
+    (chunked == one-shot, hit == miss)."""
     if layer_cache.dtype != torch.int8:
         layer_cache[meta.slot_block_ids, 0, meta.slot_offsets] = k
         layer_cache[meta.slot_block_ids, 1, meta.slot_offsets] = v
         return k, v
-    packed_k, packed_v = kv_quant.quantize(k), kv_quant.quantize(v)
-    layer_cache[meta.slot_block_ids, 0, meta.slot_offsets] = packed_k
-    layer_cache[meta.slot_block_ids, 1, meta.slot_offsets] = packed_v
-    return kv_quant.dequantize(packed_k, k.dtype), kv_quant.dequantize(packed_v, v.dtype)
+    # K and V side by side: one quantization, one dequantization (a decode step's dozen small
+    # ops a layer would otherwise run twice).
+    packed = kv_quant.quantize(torch.stack([k, v]))
+    layer_cache[meta.slot_block_ids, 0, meta.slot_offsets] = packed[0]
+    layer_cache[meta.slot_block_ids, 1, meta.slot_offsets] = packed[1]
+    k, v = kv_quant.dequantize(packed, k.dtype)
+    return k, v
 
 
 def read_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,7 +180,7 @@ def gather_kv(
     layer_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns one request's first num_tokens K and V: [num_tokens, num_kv_heads, head_dim]."""
-    blocks = layer_cache[block_table]  # [nb, 2, bs, Hkv, D] (D + 4 bytes when int8)
+    blocks = layer_cache[block_table]  # [nb, 2, bs, Hkv, D] (D + 2 bytes when int8)
     k = blocks[:, 0].flatten(0, 1)[:num_tokens]
     v = blocks[:, 1].flatten(0, 1)[:num_tokens]
     return read_kv(k, dtype), read_kv(v, dtype)
@@ -252,6 +256,14 @@ class TorchSDPABackend(AttentionBackend):
         )
 
     def forward(self, q, layer_cache, plan, new_k, new_v):
+        if self.spec.kv_quantized:
+            # An int8 cache holds K @ R and V @ R (engine/kv_quant.py): (q R).(k R) = q.k, and
+            # the output comes out rotated too; R is its own inverse.
+            out = self._attend(kv_quant.rotate(q), layer_cache, plan, new_k, new_v)
+            return kv_quant.rotate(out)
+        return self._attend(q, layer_cache, plan, new_k, new_v)
+
+    def _attend(self, q, layer_cache, plan, new_k, new_v):
         out = torch.empty_like(q)
         for seg in plan.prefills:
             n = seg.token_end - seg.token_start

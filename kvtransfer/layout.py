@@ -19,7 +19,7 @@ _ITEM_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8"
 
 # kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], contiguous,
 # so block b is the byte range [b * bytes_per_block, (b + 1) * bytes_per_block). An int8 cache's
-# rows carry their scale after the values (engine/kv_quant.py): head_dim + 4 bytes each.
+# rows carry their scale after the values (engine/kv_quant.py): head_dim + 2 bytes each.
 KV_CACHE_NDIM = 6
 
 

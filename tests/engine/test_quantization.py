@@ -44,11 +44,14 @@ from engine.quantization import (
 # docs/engine.md, Quantization). The test prints fp32's margin at each flip.
 # int4 measures 0.9870 (379 of 384): its codes are the GGUF's own, but the kernel runs bfloat16,
 # so the GGUF's float16 scales and the zeros are rounded to bfloat16 (engine/quantization.py).
-# int8_kv (an int8 KV cache, tests/engine/test_kv_quant.py): issue 12 asks for >= 0.99, MISSED:
-# measured 0.9844 (378 of 384) with this fixture's default chunk size, 0.9870 with chunks of 128
-# (how the 384 prefixes are batched moves near-ties); free-running, 10 of 12 prompts keep all 32
-# tokens, the others part at tokens 16 and 28. The floor guards the measured value.
-MIN_AGREEMENT = {"int8": 0.97, "int4": 0.98, "int8_kv": 0.98}
+# int8_kv (an int8 KV cache of Hadamard-rotated rows, tests/engine/test_kv_quant.py): issue 12
+# asks for 0.99; measured 0.9896 (380 of 384, flips at fp32 margins 0.005, 0.005, 0.007, 0.059),
+# the same with chunks of 128. 0.99 sits inside the noise of this model's near-ties: the same
+# cache with each scale rounded to the nearest float16 above max / 127 (instead of scaled up by
+# 2^-10 first) measured 0.9922, with no less noise overall (RMS move of fp32's top-2 margin 0.044
+# against 0.039; docs/engine.md). Before the rotation: 0.9844. The floor guards the rotation's
+# gain with room for another CPU's fp32 rounding of the reference.
+MIN_AGREEMENT = {"int8": 0.97, "int4": 0.98, "int8_kv": 0.985}
 
 
 @pytest.fixture(scope="module")

@@ -71,8 +71,8 @@ def _expected_after(
 
 
 # One block of SmolLM2-135M: 30 layers * (K, V) * 16 tokens * 3 heads * (64 dims * itemsize, or
-# 64 int8 values + a 4-byte scale): an int8 cache ships 17/64 of fp32's bytes, 17/32 of bf16's.
-BYTES_PER_BLOCK = {"float32": 737_280, "bfloat16": 368_640, "int8": 195_840}
+# 64 int8 values + a 2-byte scale): an int8 cache ships 33/128 of fp32's bytes, 33/64 of bf16's.
+BYTES_PER_BLOCK = {"float32": 737_280, "bfloat16": 368_640, "int8": 190_080}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

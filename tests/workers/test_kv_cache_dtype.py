@@ -1,5 +1,5 @@
 """An int8 KV cache end to end through real processes: the prefill worker ships the int8 rows and
-their scales (17/64 of fp32's bytes), the decode output equals the single-process int8-KV
+their scales (33/128 of fp32's bytes), the decode output equals the single-process int8-KV
 engine's, and a prefill worker whose cache dtype differs is refused (the decode worker retries on
 one that matches)."""
 
@@ -13,7 +13,7 @@ from tests.workers.conftest import generate, token_ids
 from tests.workers.test_disaggregated import LONG_PROMPT
 
 INT8 = ("--kv-cache-dtype", "int8")
-INT8_BYTES_PER_BLOCK = 195_840  # 30 layers * (K, V) * 16 tokens * 3 heads * (64 + 4 scale bytes)
+INT8_BYTES_PER_BLOCK = 190_080  # 30 layers * (K, V) * 16 tokens * 3 heads * (64 + 2 scale bytes)
 FP32_BYTES_PER_BLOCK = 737_280
 
 
@@ -51,8 +51,8 @@ def test_int8_kv_ships_its_bytes_and_decodes_as_one_process(int8_cluster, int8_k
         assert token_ids(messages) == int8_kv_llm.generate([prompt], params)[0].token_ids
         num_blocks = -(-len(prompt) // 16)
         assert sent() - before == num_blocks * INT8_BYTES_PER_BLOCK
-        # What fp32 would have moved for the same prompt: 64/17 times as much.
-        assert (sent() - before) * 64 == num_blocks * FP32_BYTES_PER_BLOCK * 17
+        # What fp32 would have moved for the same prompt: 128/33 times as much (bf16: 64/33).
+        assert (sent() - before) * 128 == num_blocks * FP32_BYTES_PER_BLOCK * 33
     load = int8_cluster.load(decode)
     assert load.free_blocks == load.total_blocks
 
