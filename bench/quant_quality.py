@@ -118,12 +118,16 @@ def int8_rows(w: torch.Tensor) -> torch.Tensor:
     return q.qweight.float() * q.scales.float()[:, None]
 
 
+def int8_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 with one symmetric scale per row of its last dimension."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)
+    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX) * scale
+
+
 def int8_groups(size: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def rounded(w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
-        groups = w.float().view(n, k // size, size)
-        scale = (groups.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)
-        return (torch.round(groups / scale).clamp(-INT8_MAX, INT8_MAX) * scale).view(n, k)
+        return int8_last_dim(w.float().view(n, k // size, size)).view(n, k)
 
     return rounded
 
@@ -167,15 +171,10 @@ def set_weights(layers: list[DecoderLayer], weights: list[list[torch.Tensor]]) -
             setattr(layer, name, pack(w))
 
 
-def int8_plain_rows(x: torch.Tensor) -> torch.Tensor:
-    """K or V rounded to int8 with one scale per row, not rotated (the int8 cache before the
-    rotation)."""
-    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)
-    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX) * scale
-
-
+# K and V rows rounded on their way into the fp32 cache. int8_last_dim: one scale per row, not
+# rotated (the int8 cache before the rotation).
 KV_ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "KV int8, one scale per plain row": int8_plain_rows,
+    "KV int8, one scale per plain row": int8_last_dim,
     "KV bf16": lambda x: x.bfloat16().float(),
 }
 

@@ -66,7 +66,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] float -> [..., head_dim + 2] int8 packed rows of x @ R."""
-    rotated = x.float() @ rotation(x.shape[-1], x.device)
+    rotated = rotate(x.float())
     amax = rotated.abs().amax(dim=-1, keepdim=True)
     scale = (amax * _ROUND_UP).clamp_(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
     q = rotated.div_(scale.float()).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.quant_quality import int8_last_dim
 from engine import LLM, SamplingParams, kv_quant
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -57,8 +58,7 @@ def test_rotation_rounds_keys_with_outlier_channels_finer():
     torch.manual_seed(0)
     keys = torch.randn(256, 3, 64)
     keys[..., :4] *= 8.0  # four outlier channels
-    plain_scale = keys.abs().amax(-1, keepdim=True) / 127
-    plain = torch.round(keys / plain_scale) * plain_scale
+    plain = int8_last_dim(keys)
     rotated = kv_quant.rotate(kv_quant.dequantize(kv_quant.quantize(keys), torch.float32))
     plain_error = (plain - keys).pow(2).mean().sqrt()
     rotated_error = (rotated - keys).pow(2).mean().sqrt()
