@@ -245,9 +245,14 @@ def _truncate(
     kth = values.gather(1, (k - 1).clamp(max=width - 1))
     logits = logits.masked_fill((k <= width) & (logits < kth), float("-inf"))
     values = values.masked_fill(torch.arange(width, device=device) >= k, float("-inf"))
-    probs = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))
+    # The nucleus mass in float64: in float32 a sum over hundreds of candidates is off by ~1e-5,
+    # so whether a token just at the top_p boundary is kept would depend on the order the CPU's
+    # vector units add in (AVX2 and AVX-512 disagree on real rows); in float64 only an exact tie
+    # is left to chance, and the specification allows either answer there.
+    lse = torch.logsumexp(logits.double(), dim=-1, keepdim=True)
+    probs = torch.exp(values.double() - lse)
     mass = probs.cumsum(dim=-1)
-    p = _column(top_p, device)
+    p = torch.tensor(top_p, dtype=torch.float64, device=device).unsqueeze(1)  # [m, 1]
     # Kept: the tokens before which the mass has not yet reached top_p (at least the first).
     num_kept = torch.minimum(((mass - probs) < p).sum(dim=-1, keepdim=True), k.clamp(max=width))
     cut = values.gather(1, num_kept - 1)

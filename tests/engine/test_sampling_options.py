@@ -112,7 +112,7 @@ def reference_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float)
         out[out < out.topk(top_k).values[-1]] = float("-inf")
     if top_p == 1.0:
         return out
-    probs = torch.softmax(out, dim=-1)
+    probs = torch.softmax(out.double(), dim=-1)  # float64, as the sampler's nucleus mass
     ordered = probs.sort(descending=True).values
     mass = ordered.cumsum(dim=0)
     last = ordered[int((mass < top_p).sum())]  # the first token at which the mass reaches top_p
