@@ -14,9 +14,6 @@ POLICY_NAMES: tuple[PolicyName, ...] = ("watermark", "round_robin", "hash")
 ADMISSION_MODES: tuple[AdmissionMode, ...] = ("length_aware", "fifo")
 
 
-DEFAULT_TTFT_SLO_S = 30.0
-
-
 class SettingsError(ValueError):
     """A router setting that can never work (reported at start-up, with the value)."""
 
@@ -34,8 +31,9 @@ class AdmissionSettings:
     prefill_token_budget: int = 2048
     max_queued_requests: int = 256
     # A request whose predicted time to first token (everything in front of it at the
-    # measured prefill speed) is over this is rejected at once (429). None: the default
-    # objective, unless only the older max_queue_wait_s is set (then that alone applies).
+    # measured prefill speed, corrected by what earlier requests saw) is over this is
+    # rejected at once (429). None, the default: no objective; requests queue, bounded by
+    # max_queued_requests and queue_timeout_s, as in vLLM and SGLang.
     ttft_slo_s: float | None = None
     max_queue_wait_s: float | None = None  # estimated router queue wait above this: 429
     queue_timeout_s: float = 120.0  # a queued request that waited this long gets a 429
@@ -70,13 +68,6 @@ class AdmissionSettings:
             problems.append(f"kv_reject_below_ratio={self.kv_reject_below_ratio} not in [0, 1)")
         if problems:
             raise SettingsError("admission settings: " + "; ".join(problems))
-
-    @property
-    def ttft_limit_s(self) -> float | None:
-        """The TTFT objective admission sheds by (None: none, the queue wait limit alone)."""
-        if self.ttft_slo_s is None and self.max_queue_wait_s is not None:
-            return None
-        return DEFAULT_TTFT_SLO_S if self.ttft_slo_s is None else self.ttft_slo_s
 
     def delays_s(self) -> dict[LengthBucket, float]:
         """Per-bucket aging delay; FIFO is the same queue with every delay 0."""

@@ -1,6 +1,7 @@
 """Admission control: queue a request until a prefill worker has token budget and a decode
-worker has KV room for it (or one aggregated worker has both), or reject it at once when its
-predicted time to first token is over the objective.
+worker has KV room for it (or one aggregated worker has both), or reject it at once when the
+queue is full or, with a TTFT objective set, when its predicted time to first token (corrected
+by what earlier requests saw) is over the objective.
 
 Which pool serves a request: with only aggregated workers, or only prefill + decode pools,
 that one. A mixed cluster sends short-bucket prompts whole to the aggregated workers (a short
@@ -21,6 +22,7 @@ from router import metrics
 from router.admission import metrics as admission_metrics
 from router.admission.drain import DrainRates
 from router.admission.queue import AdmissionQueue
+from router.admission.ttft_error import TTFTCorrections
 from router.errors import InvalidRequest, Overloaded, RejectReason, Unavailable
 from router.ledger import Assignment
 from router.prefix_index import PrefixIndex
@@ -30,6 +32,17 @@ from router.ticket import Ticket
 from router.workers import WorkerPool, WorkerView
 
 Kind = Literal["aggregated", "split"]  # served whole by one worker, or by a prefill + a decode
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What admission predicted when the request arrived (at_s, on the admission clock)."""
+
+    kind: Kind
+    at_s: float
+    wait_s: float  # the router queue wait
+    ttft_s: float  # the time to first token, as admission shed by it
+    ttft_tokens: int  # the prompt tokens that time was modelled from (_ttft_tokens)
 
 
 @dataclass(slots=True)
@@ -43,9 +56,16 @@ class Lease:
     queue_wait_s: float
     holds: dict[Role, Assignment]
     release: Callable[[Role, Assignment], None]
+    prediction: Prediction
+    first_token: Callable[[Lease], None]
 
     def end_prefill(self) -> None:
-        self.release("prefill", self.holds["prefill"])
+        """At the request's first token (a failed request's holds end through end())."""
+        hold = self.holds["prefill"]
+        is_first = hold.ended_at is None
+        self.release("prefill", hold)
+        if is_first:
+            self.first_token(self)
 
     def end(self) -> None:
         for role, hold in self.holds.items():
@@ -64,8 +84,11 @@ class Admission:
         self.prefixes = prefixes  # records each choice's prefix overlap
         self.queue = AdmissionQueue(settings.delays_s())
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
-        self._predicted_wait_s: dict[str, float] = {}  # at arrival, for the error metric
+        self._predictions: dict[str, Prediction] = {}  # queued requests' predictions at arrival
         self.drain = DrainRates()  # how fast each worker's prefill budget really frees
+        # observed / modelled TTFT per pool kind, learned from the predictions near the objective
+        slo_s = settings.ttft_slo_s
+        self.ttft_corrections = TTFTCorrections(1.0 if slo_s is None else 0.5 * slo_s)
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises Overloaded or Unavailable instead of queueing
@@ -73,7 +96,11 @@ class Admission:
         self._check_pools(ticket)
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = future
-        self._predicted_wait_s[ticket.request_id] = wait_s = self.estimated_wait_s(ticket)
+        wait_s = self.estimated_wait_s(ticket)
+        self._predictions[ticket.request_id] = Prediction(
+            self.kind(ticket), self.clock(), wait_s, self.predicted_ttft_s(ticket),
+            self._ttft_tokens(ticket),
+        )  # fmt: skip
         self.queue.push(ticket)
         self.dispatch()
         if not future.done():
@@ -101,7 +128,7 @@ class Admission:
             if future is None or future.done():  # cancelled while queued
                 self.queue.pop()
                 self._waiters.pop(ticket.request_id, None)
-                self._predicted_wait_s.pop(ticket.request_id, None)
+                self._predictions.pop(ticket.request_id, None)
                 continue
             lease = self._place(ticket)
             if lease is None:
@@ -138,13 +165,23 @@ class Admission:
         return sum(self.drain.speed(w.worker_id, w.tokens_per_s) for w in workers)
 
     def predicted_ttft_s(self, ticket: Ticket) -> float:
-        """Arrival to first token: every prompt token in front of it (in those workers and
-        ahead in the queue) at the pool's measured speed, then its own prompt on one worker."""
+        """Arrival to first token as admission sheds by it: the modelled time, times what
+        requests of this pool have seen against their own modelled times."""
+        return self._modelled_ttft_s(ticket) * self.ttft_corrections.factor(self.kind(ticket))
+
+    def _modelled_ttft_s(self, ticket: Ticket) -> float:
+        return self._ttft_tokens(ticket) / self._pool_speed(ticket)
+
+    def _ttft_tokens(self, ticket: Ticket) -> int:
+        """Every prompt token in front of it (in those workers and ahead in the queue), then
+        its own prompt on one worker (so counted once per worker of the pool's speed)."""
         workers = self._prefill_side(ticket)
-        if not workers:
-            return 0.0
         in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
-        return (in_front + ticket.num_prompt_tokens * len(workers)) / self._speed(workers)
+        return in_front + ticket.num_prompt_tokens * len(workers)
+
+    def _pool_speed(self, ticket: Ticket) -> float:
+        workers = self._prefill_side(ticket)
+        return self._speed(workers) if workers else float("inf")
 
     def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
         """(prefill, decode) workers with room now, one worker twice when aggregated, and the
@@ -191,16 +228,27 @@ class Admission:
         self.drain.started(prefill.worker_id, now_s)
         wait_s = now_s - ticket.arrival_s
         metrics.QUEUE_WAIT.labels(ticket.bucket).observe(wait_s)
-        predicted_s = self._predicted_wait_s.pop(ticket.request_id, None)
-        if predicted_s is not None:
-            admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(predicted_s)
-            admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - predicted_s)
+        prediction = self._predictions.pop(ticket.request_id)
+        admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(prediction.wait_s)
+        admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - prediction.wait_s)
         if prefill is decode:
             metrics.ROUTED.labels("aggregated", prefill.worker_id).inc()
         else:
             metrics.ROUTED.labels("prefill", prefill.worker_id).inc()
             metrics.ROUTED.labels("decode", decode.worker_id).inc()
-        return Lease(ticket, prefill, decode, wait_s, holds, self._release)
+        return Lease(
+            ticket, prefill, decode, wait_s, holds, self._release, prediction, self._first_token
+        )
+
+    def _first_token(self, lease: Lease) -> None:
+        """Learns how far the model's TTFT is from the one this request saw. The model is
+        evaluated at today's speeds (the drain meters have just seen this request end its
+        hold), so the factor learns only what they do not already correct."""
+        prediction, kind = lease.prediction, lease.prediction.kind
+        admission_metrics.TTFT_PREDICTED.labels(lease.ticket.bucket).observe(prediction.ttft_s)
+        modelled_s = prediction.ttft_tokens / self._pool_speed(lease.ticket)
+        self.ttft_corrections.observe(kind, modelled_s, self.clock() - prediction.at_s)
+        admission_metrics.TTFT_CORRECTION.labels(kind).set(self.ttft_corrections.factor(kind))
 
     def _release(self, role: Role, hold: Assignment) -> None:
         if hold.ended_at is None:
@@ -250,7 +298,7 @@ class Admission:
         settings = self.settings
         if len(self.queue) > settings.max_queued_requests:
             self._drop(ticket, "queue_full", f"{len(self.queue) - 1} requests queued", wait_s)
-        slo_s = settings.ttft_limit_s
+        slo_s = settings.ttft_slo_s
         if slo_s is not None and (ttft_s := self.predicted_ttft_s(ticket)) > slo_s:
             message = f"predicted time to first token {ttft_s:.1f} s is over the {slo_s:.1f} s SLO"
             self._drop(ticket, "queue_wait", message, ttft_s - slo_s)
@@ -262,13 +310,13 @@ class Admission:
     def _drop(self, ticket: Ticket, reason: RejectReason, message: str, retry_s: float) -> None:
         self.queue.remove(ticket)
         del self._waiters[ticket.request_id]
-        self._predicted_wait_s.pop(ticket.request_id, None)
+        self._predictions.pop(ticket.request_id, None)
         self._observe_depth()
         raise self._reject(ticket, reason, message, max(1.0, retry_s))
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Lease]) -> None:
         self._waiters.pop(ticket.request_id, None)
-        self._predicted_wait_s.pop(ticket.request_id, None)
+        self._predictions.pop(ticket.request_id, None)
         if self.queue.remove(ticket):
             self._observe_depth()
         elif future.done() and not future.cancelled():

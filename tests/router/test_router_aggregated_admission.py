@@ -125,11 +125,60 @@ def test_predicted_ttft_over_the_slo_is_rejected_with_an_honest_retry_after():
     asyncio.run(scenario())
 
 
-def test_default_slo_and_the_old_queue_wait_flag():
-    assert AdmissionSettings().ttft_limit_s == 30.0
-    assert AdmissionSettings(ttft_slo_s=60.0).ttft_limit_s == 60.0
-    # The older flag alone keeps its meaning: only the queue wait estimate is limited.
-    assert AdmissionSettings(max_queue_wait_s=5.0).ttft_limit_s is None
+def test_by_default_nothing_is_shed_by_prediction_only_past_the_queue_limit():
+    """No TTFT objective by default: 40 s of prefill in front of a request queues it; the
+    queue limit is what rejects."""
+
+    async def scenario() -> None:
+        slow = worker("prefill", "p", tokens_per_s=100)
+        adm = admission(slow, worker("decode", "d"), prefill_token_budget=1000,
+                        max_queued_requests=2)  # fmt: skip
+        await adm.admit(ticket("busy", 4000))  # 40 s at 100 tokens/s
+        waiting = [asyncio.ensure_future(adm.admit(ticket(f"w{i}", 600))) for i in range(3)]
+        await asyncio.sleep(0)
+        assert len(adm.queue) == 2 and not any(f.done() for f in waiting[:2])
+        with pytest.raises(Overloaded) as full:
+            waiting[2].result()
+        # Its wait: 4000 + 1200 ahead + its own 600 beyond the 1000-token budget, at 100/s.
+        assert (full.value.reason, str(full.value)) == (
+            "queue_full",
+            "2 requests queued; retry in 48 s",
+        )
+        for future in waiting[:2]:
+            future.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_prediction_learns_what_requests_saw_and_sheds_by_it():
+    """A first token that took twice the modelled time (and too few tokens for the drain meter
+    to sample) doubles the next predictions: a request modelled at 8 s is shed under a 10 s
+    objective, 16 s predicted."""
+
+    async def scenario() -> tuple[float, float, Overloaded]:
+        clock = Clock()
+        slow = worker("prefill", "p", tokens_per_s=100)
+        adm = admission(slow, worker("decode", "d"), clock=clock, prefill_token_budget=500,
+                        ttft_slo_s=10.0)  # fmt: skip
+        probe = ticket("probe", 300)
+        lease = await adm.admit(ticket("busy", 500))  # modelled 5 s to its first token
+        before_s = adm.predicted_ttft_s(probe)  # 500 in front + its own 300 at 100 tokens/s
+        clock.now = 10.0  # twice the modelled time
+        lease.end_prefill()
+        again = await adm.admit(ticket("again", 500))
+        after_s = adm.predicted_ttft_s(probe)
+        with pytest.raises(Overloaded) as rejected:
+            await adm.admit(probe)
+        again.end()
+        lease.end()
+        return before_s, after_s, rejected.value
+
+    before_s, after_s, rejected = asyncio.run(scenario())
+    assert (before_s, after_s) == (pytest.approx(8.0), pytest.approx(16.0))
+    assert rejected.reason == "queue_wait"
+    assert (
+        str(rejected) == "predicted time to first token 16.0 s is over the 10.0 s SLO; retry in 6 s"
+    )
 
 
 def test_the_estimates_use_the_drain_the_router_observed_when_it_is_slower():
