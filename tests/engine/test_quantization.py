@@ -21,7 +21,7 @@ from bench.quant_quality import (
     teacher_forced,
 )
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, auto_quantization
 from engine.errors import InvalidRequestError
 from engine.loader import _unpermute
 from engine.model_files import BUNDLED_GGUF, DEFAULT_MODEL, resolve_model
@@ -172,9 +172,24 @@ def test_int4_recovers_the_gguf_q4_1_blocks_exactly(gguf_name, hf_name, heads):
 
 def test_unknown_quantization_is_refused():
     with pytest.raises(
-        InvalidRequestError, match="quantization must be none, int8 or int4, got 'fp4'"
+        InvalidRequestError, match="quantization must be auto, none, int8 or int4, got 'fp4'"
     ):
         EngineConfig(quantization="fp4")
+
+
+def test_auto_runs_the_q4_1_gguf_codes_on_the_cpu_and_nothing_else(int4_llm):
+    """auto on the bundled Q4_1 GGUF is the int4 engine, token for token; a model directory
+    (no GGUF behind it) and a CUDA device keep their weights as they are."""
+    assert EngineConfig(quantization="auto", device="cpu").quantization == "int4"
+    assert EngineConfig(quantization="auto", model=str(resolve_model(DEFAULT_MODEL)),
+                        device="cpu").quantization == "none"  # fmt: skip
+    assert auto_quantization(DEFAULT_MODEL, "cuda:0") == "none"
+    auto = LLM(num_threads=2, quantization="auto")
+    assert auto.engine.config.quantization == "int4"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    int4_llm.engine.pool.reset_cache()
+    expected = [o.token_ids for o in int4_llm.generate(PROMPTS[:4], params)]
+    assert [o.token_ids for o in auto.generate(PROMPTS[:4], params)] == expected
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
