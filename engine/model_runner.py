@@ -19,6 +19,7 @@ from engine.loader import load_weights
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampling import sample
+from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +39,6 @@ ENGINE_ATTENTION = Gauge(
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def completes_pass(self) -> bool:
-        """After this step the request has KV for all its tokens and needs a next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
