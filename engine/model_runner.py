@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from prometheus_client import Gauge
 
-from engine.attention import AttentionMetadata, AttentionSpec, StepLayout, select_backend, to_device
+from engine.attention import AttentionMetadata, AttentionSpec, StepLayout, to_device
+from engine.attention_choice import select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kv_quant import row_width
