@@ -38,9 +38,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner, ScheduledRequest  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledRequest  # noqa: E402
 
 H200_BF16_FLOPS = 790e12  # dense bf16 matmul measured on these machines (device docs)
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)

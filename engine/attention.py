@@ -1,5 +1,6 @@
 """Attention over the paged KV cache: the step layout every backend plans from, the backend
-interface, torch SDPA (CPU and any device), and the choice of backend with its reason.
+interface, torch SDPA (CPU and any device), and a paged backend's self-check against SDPA
+(which backend runs: engine/attention_choice.py).
 
 KV cache memory map (one tensor per worker, block-major so that one block of every layer is
 one contiguous byte range, which is what the KV transfer moves):
@@ -12,9 +13,8 @@ scale (engine/kv_quant.py); only SDPA reads it, dequantizing what it gathers.
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -22,8 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from engine import kv_quant
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,57 +330,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-# ---- choice -----------------------------------------------------------------------------------
-
-
-def _flashinfer(spec: AttentionSpec) -> AttentionBackend:
-    from engine.flashinfer_backend import FlashInferBackend
-
-    return FlashInferBackend(spec)
-
-
-def _flash_attn(spec: AttentionSpec) -> AttentionBackend:
-    from engine.flash_attn_backend import FlashAttnBackend
-
-    return FlashAttnBackend(spec)
-
-
-# auto tries these in order on CUDA; SDPA always works and ends the list.
-_CUDA_BACKENDS: dict[str, Callable[[AttentionSpec], AttentionBackend]] = {
-    "flashinfer": _flashinfer,
-    "flash_attn": _flash_attn,
-}
-
-
-def select_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
-    """The backend for this setting, logging which one runs and why. A backend asked for by
-    name that cannot run is an error; auto falls through to the next one."""
-    if name == "sdpa":
-        log.info("attention backend: sdpa (asked for by attention_backend=sdpa)")
-        return TorchSDPABackend(spec)
-    if name in _CUDA_BACKENDS:
-        if spec.device.type != "cuda":
-            raise ValueError(f"attention_backend {name} needs a CUDA device, not {spec.device}")
-        backend = _CUDA_BACKENDS[name](spec)  # raises BackendUnusableError with its reason
-        log.info("attention backend: %s (asked for by attention_backend=%s)", name, name)
-        return backend
-    if spec.device.type != "cuda":
-        log.info("attention backend: sdpa (device %s; paged kernels are CUDA-only)", spec.device)
-        return TorchSDPABackend(spec)
-    reasons = []
-    for candidate, make in _CUDA_BACKENDS.items():
-        try:
-            backend = make(spec)
-        except (BackendUnusableError, ImportError) as e:
-            reasons.append(f"{candidate}: {e}")
-            continue
-        log.info("attention backend: %s (auto; first to load and pass its self-check)", candidate)
-        return backend
-    log.warning(
-        "attention backend: sdpa (auto fell back; it gathers blocks per decode step): %s",
-        "; ".join(reasons),
-    )
-    return TorchSDPABackend(spec)
+# ---- self-check -------------------------------------------------------------------------------
 
 
 def check_against_sdpa(backend: AttentionBackend, atol: float) -> None:

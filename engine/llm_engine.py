@@ -19,11 +19,11 @@ from engine.errors import (
 )
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner, ScheduledRequest
+from engine.model_runner import ModelRunner
 from engine.request import SAMPLE_MARK, FinishReason, Request, StepOutput, TokenLogprobs, sample_ids
 from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
 from engine.structured_output import Grammars
 from engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from prometheus_client import Gauge
 
-from engine.attention import AttentionMetadata, AttentionSpec, StepLayout, select_backend, to_device
+from engine.attention import AttentionMetadata, AttentionSpec, StepLayout, to_device
+from engine.attention_choice import select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kv_quant import row_width
@@ -19,6 +20,7 @@ from engine.loader import load_weights
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampling import sample
+from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +40,6 @@ ENGINE_ATTENTION = Gauge(
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def completes_pass(self) -> bool:
-        """After this step the request has KV for all its tokens and needs a next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass(frozen=True, slots=True)

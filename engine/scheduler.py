@@ -4,11 +4,24 @@ admission by KV watermark, and preemption (free, recompute later) when blocks ru
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ScheduledRequest
 from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: its next num_new_tokens tokens go through the model."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_pass(self) -> bool:
+        """After this step the request has KV for all its tokens and needs a next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 class Scheduler:

@@ -447,7 +447,7 @@ def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes
             log.write(b"\n---- restarted by the pdserve launcher ----\n")
             log.flush()
         return subprocess.Popen(
-            [sys.executable, "-m", "pdserve.launcher", *args],
+            [sys.executable, "-m", "pdserve", *args],  # pdserve/__main__.py
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=os.environ | {"TOKENIZERS_PARALLELISM": "false",
                               _LAUNCHER_PID_ENV: str(os.getpid())},
@@ -503,17 +503,3 @@ def _die_with_parent(launcher_pid: int) -> None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != launcher_pid:  # it died before the line above: follow it now
         sys.exit(f"the launcher (pid {launcher_pid}) is gone")
-
-
-def _child_main() -> None:
-    """`python -m pdserve.launcher ARGS`: how the launcher runs `pdserve ARGS`. Not a
-    preexec_fn: Python code between fork and exec, in a process with busy gRPC threads (a
-    benchmark's clients), crashed about one child in four (SIGSEGV, SIGABRT)."""
-    _die_with_parent(int(os.environ[_LAUNCHER_PID_ENV]))
-    from pdserve.cli import app
-
-    app(args=sys.argv[1:], prog_name="pdserve")
-
-
-if __name__ == "__main__":
-    _child_main()

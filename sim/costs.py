@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.config import ModelConfig
-from engine.model_runner import ScheduledRequest
+from engine.scheduler import ScheduledRequest
 
 LOCAL_COEFFICIENTS = Path(__file__).with_name("local_cpu.json")
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine import EngineConfig, LLMEngine
-from engine.model_runner import ScheduledRequest
 from engine.request import StepOutput
+from engine.scheduler import ScheduledRequest
 from pdserve.registry import Role, WorkerInfo, WorkerLoad
 from sim.costs import CostModel, StepShape
 

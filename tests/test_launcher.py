@@ -45,9 +45,9 @@ class Up:
         """Child name (worker id, "router", "redis") -> pid, from /proc."""
         found = {}
         for pid, cmdline in _children_of(self.process.pid):
-            if "pdserve.launcher" in cmdline:  # `python -m pdserve.launcher ROLE ...`
+            if cmdline[1:3] == ["-m", "pdserve"]:  # `python -m pdserve ROLE ...`
                 name = cmdline[cmdline.index("--worker-id") + 1] if "--worker-id" in cmdline else (
-                    cmdline[cmdline.index("pdserve.launcher") + 1]
+                    cmdline[3]
                 )  # fmt: skip
                 found[name] = pid
             elif Path(cmdline[0]).name.startswith(("redis-server", "valkey-server")):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_runner import ScheduledRequest
+from engine.scheduler import ScheduledRequest
 
 PROMPT = " ".join(f"item {i} costs {i * 3} coins;" for i in range(90))  # ~700 tokens
 

@@ -22,8 +22,8 @@ from engine.attention import (
     BackendUnusableError,
     TorchSDPABackend,
     check_against_sdpa,
-    select_backend,
 )
+from engine.attention_choice import select_backend
 from engine.cuda_graphs import DecodeGraphs
 from pdserve.cli import app
 from pdserve.v1 import generation_pb2 as pb
