@@ -6,7 +6,7 @@ Three modes, each through its own router on loopback (OpenAI HTTP, streaming com
   aggregated     1 aggregated worker (`decode --aggregated`) with all the cores
 Each mode runs a closed loop of --streams clients and then of one client, over prompts of
 --prompt-tokens random words (no prefix cache hits) and --max-tokens output tokens. The router
-sheds by predicted TTFT against --ttft-slo-s.
+runs its default admission (no TTFT objective) unless --ttft-slo-s sets one.
 
 Per mode and loop: req/s, TTFT p50/p99, inter-token p50, the 429 rate, and the router's
 queue-wait prediction error (observed minus predicted mean wait, relative to the observed,
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--single-requests", type=int, default=6, help="per mode, one client")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ttft-slo-s", type=float, default=60.0)
+    parser.add_argument("--ttft-slo-s", type=float, default=0.0, help="0: the router's default")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="per loop")
     parser.add_argument("--cores", type=int, default=0, help="0 = all; split among the workers")
     parser.add_argument("--dtype", default="float32")
