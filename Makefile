@@ -51,4 +51,4 @@ bench: setup proto
 	$(PY) -m bench.parallel_sampling
 
 clean:
-	rm -rf $(VENV) .venv-tools proto/gen
+	rm -rf $(VENV) .venv-tools pdserve/v1 pdserve/worker

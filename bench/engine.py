@@ -85,14 +85,14 @@ KV_WATERMARK = 0.85  # the engine admits requests only while this fraction of bl
 ROOF_SIZE = 2048
 ROOF_REPEATS = {"float32": 8, "bfloat16": 4}  # bf16 is slow where the CPU lacks native bf16
 EOS_AND_PAD_ID = 2
-# The issue's targets: bf16 prefill at 512-2048 tokens vs HF and vs the roof, fp32 prefill vs
+# The speed targets: bf16 prefill at 512-2048 tokens vs HF and vs the roof, fp32 prefill vs
 # HF, decode at batch 32 vs HF's batched generate.
 TARGET_BF16_PREFILL_SPEEDUP = 1.5
 TARGET_BF16_PREFILL_ROOF_FRACTION = 0.70
 TARGET_FP32_PREFILL_SPEEDUP = 1.0
 TARGET_DECODE_B32_SPEEDUP = 3.0
 LONG_PROMPTS = (512, 1024, 2048)
-# Issue 12's decode targets: fp32 at batch 1 and 32 vs HF, int8 weights at batch 1 vs HF fp32.
+# The decode targets: fp32 at batch 1 and 32 vs HF, int8 weights at batch 1 vs HF fp32.
 TARGET_FP32_DECODE_B1_SPEEDUP = 2.0
 TARGET_FP32_DECODE_B32_SPEEDUP = 1.5
 TARGET_INT8_DECODE_B1_SPEEDUP = 4.0
@@ -402,7 +402,7 @@ def bench_quantized_decode(
         systems.llm = fp32_llm
 
 
-def add_issue12_keys(
+def add_quantized_decode_keys(
     summary: dict, decode: dict, quantized: dict[str, dict], flops: FlopModel, bandwidth: float
 ) -> None:
     """Int8- and int4-weight decode vs HF fp32, KV bytes per token, and batch 1 against the
@@ -450,7 +450,7 @@ def add_issue12_keys(
 
 
 def targets(summary: dict) -> dict[str, dict]:
-    """The issue's targets over whatever was measured (a target with no data is left out)."""
+    """The speed targets over whatever was measured (a target with no data is left out)."""
     prefill, frac = summary["prefill_speedup_vs_hf"], summary["prefill_fraction_of_roof"]["engine"]
     decode = summary["decode_speedup_vs_hf"]
     checks: dict[str, tuple[list[float], float]] = {
@@ -726,7 +726,7 @@ def main() -> None:
     }
     bandwidth = max(bandwidth, measure_read_bandwidth())
     summary = summarize(roof, prefill, decode, flops, setup)
-    add_issue12_keys(summary, decode, quantized, flops, bandwidth)
+    add_quantized_decode_keys(summary, decode, quantized, flops, bandwidth)
     print_tables(summary)
     summary["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     print(f"({summary['setup']['seconds']} s, load average {summary['setup']['load_average']})")

@@ -1,4 +1,4 @@
-"""The GPU check of issue 10, one script for one H200 in under 8 minutes; last line: JSON.
+"""The engine's GPU check, one script for one H200 in under 8 minutes; last line: JSON.
 
   1. parity: greedy fp32 tokens of this engine == transformers' on CUDA (8 prompts x 32), and
      bf16 teacher-forced top-1 agreement >= 99% (the same 8 x 32 positions);

@@ -98,7 +98,8 @@ class LocalCost:
     coefficients: LocalCoefficients
     # Loopback: a gRPC/HTTP message between two Python processes on 2 cores (not fitted).
     hop_s: float = 0.002
-    # The TCP KV backend: ~2.1 GB/s for a plain socket (DESIGN.md), one connection per send.
+    # The TCP KV backend: a plain TCP socket measured ~2.1 GB/s on these machines; one
+    # connection per send.
     kv_bytes_per_s: float = 2.1e9
     kv_latency_s: float = 0.001
     num_cores: int = 2

@@ -200,7 +200,7 @@ def run(num_requests: int = 24, seed: int = 0, out_dir: Path | None = None) -> d
     keys = ("throughput_error", "ttft_p50_error", "ttft_p99_error")
     worst = {k: max(r[k] for r in runs.values()) for k in keys}
     worst_probed = {k: max(r["probed_errors"][k] for r in runs.values()) for k in keys}
-    # The numbers are the committed fit's (worst over the runs); the probed ones rescale
+    # The top-level errors are the committed fit's (worst over the runs); the probed ones rescale
     # every step by how loaded the machine was just before each real run, as context.
     return {
         "runs": runs,
