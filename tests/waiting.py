@@ -6,6 +6,7 @@ hang, it is never what the test asserts, so a host twice as slow passes the same
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,10 +29,36 @@ def wait_until(
     deadline = time.monotonic() + timeout_s
     while True:
         last_chance = time.monotonic() >= deadline
-        result = condition()
-        if result:
+        if result := condition():
             return result
         if last_chance:
-            text = message() if callable(message) else message
-            raise AssertionError(f"not reached in {timeout_s:g} s: {text}")
-        time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+            raise _timed_out(timeout_s, message)
+        time.sleep(_pause(deadline, interval_s))
+
+
+async def wait_until_async(
+    condition: Callable[[], T | None],
+    *,
+    timeout_s: float,
+    message: str | Callable[[], str],
+    interval_s: float = 0.05,
+) -> T:
+    """wait_until for a coroutine: the same polls, sleeping with asyncio.sleep so the event
+    loop (and the task the condition watches) runs in between."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last_chance = time.monotonic() >= deadline
+        if result := condition():
+            return result
+        if last_chance:
+            raise _timed_out(timeout_s, message)
+        await asyncio.sleep(_pause(deadline, interval_s))
+
+
+def _pause(deadline: float, interval_s: float) -> float:
+    return max(0.0, min(interval_s, deadline - time.monotonic()))
+
+
+def _timed_out(timeout_s: float, message: str | Callable[[], str]) -> AssertionError:
+    text = message() if callable(message) else message
+    return AssertionError(f"not reached in {timeout_s:g} s: {text}")
