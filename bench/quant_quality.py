@@ -3,10 +3,10 @@ top-1 agreement over 12 prompts x 32 tokens, for the weights rounded several way
 
     python -m bench.quant_quality [--threads 2]
 
-The measurement (also what tests/engine/test_quantization.py asserts): at each position of the
-fp32 engine's greedy continuation, the other engine's argmax given fp32's own prefix. A flip can
-only happen where fp32's top two logits are close, so each flip is listed with fp32's margin
-there (top-1 minus top-2 log-probability, the same as the logit difference).
+The measurement (engine/quality.py, also what tests/engine/test_quantization.py asserts): at
+each position of the fp32 engine's greedy continuation, the other engine's argmax given fp32's
+own prefix. A flip can only happen where fp32's top two logits are close, so each flip is listed
+with fp32's margin there (top-1 minus top-2 log-probability, the same as the logit difference).
 
 The ladder rounds the fp32 decoder weights, then runs the fp32 engine on them: the engine's own
 int8 quantizer (what a quantized engine's prefill computes: chunks of more than 64 rows run one
@@ -36,61 +36,22 @@ from contextlib import contextmanager
 import torch
 
 import engine.model as engine_model
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.model import DecoderLayer
-from engine.quantization import INT8_MAX, PackedWeight, int4_groups, pack, quantize_int8
+from engine.quality import (
+    PROMPTS,
+    greedy_continuations,
+    teacher_forced_top,
+)
+from engine.quantization import (
+    PackedWeight,
+    int4_groups,
+    int8_last_dim,
+    pack,
+    quantize_int8,
+)
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):",
-    "The three laws of motion are",
-    "List the planets of the solar system in order from the sun:",
-    "Write a haiku about autumn leaves falling slowly onto a quiet pond at dusk.",
-    "Water boils at a temperature of",
-    "The best way to learn a new language is",
-    "import numpy as np\n\n# compute the mean of an array",
-    "Q: What is the largest mammal on Earth?\nA:",
-    "My favourite recipe for pancakes needs",
-    "In 1969, the first humans to walk on the Moon",
-]
-NEW_TOKENS = 32
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 NEAR_TIE_MARGINS = (0.1, 0.3)
-TOP_LOGPROBS = 8
-
-
-def greedy_continuations(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
-    """The engine's greedy continuation of each prompt, and at every position the margin between
-    its top two log-probabilities (flattened, prompt-major)."""
-    llm.engine.pool.reset_cache()
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(prompts, params)
-    margins = [lp.top[0][1] - lp.top[1][1] for o in outputs for lp in o.logprobs]
-    return [o.token_ids for o in outputs], margins
-
-
-def teacher_forced(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> list[int]:
-    """The engine's argmax at each position of the reference continuations, given the
-    reference's own prefix (flattened, prompt-major)."""
-    return [o.token_ids[0] for o in _teacher_forced_outputs(llm, prompts, reference, 0)]
-
-
-def teacher_forced_top(
-    llm: LLM, prompts: list[list[int]], reference: list[list[int]]
-) -> tuple[list[int], list[dict[int, float]]]:
-    """teacher_forced, and at each position the engine's top TOP_LOGPROBS log-probabilities."""
-    outputs = _teacher_forced_outputs(llm, prompts, reference, TOP_LOGPROBS)
-    return [o.token_ids[0] for o in outputs], [dict(o.logprobs[0].top) for o in outputs]
-
-
-def _teacher_forced_outputs(llm, prompts, reference, logprobs: int):
-    prefixes = [
-        p + ref[:i] for p, ref in zip(prompts, reference, strict=True) for i in range(len(ref))
-    ]
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-    llm.engine.pool.reset_cache()
-    return llm.generate(prefixes, one)
 
 
 def margin_moves(reference: list[dict[int, float]], other: list[dict[int, float]]) -> list[float]:
@@ -105,23 +66,9 @@ def margin_moves(reference: list[dict[int, float]], other: list[dict[int, float]
     return moves
 
 
-def first_divergences(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
-    """Per prompt, the first position where two free-running continuations part (None: never)."""
-    return [
-        next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), None)
-        for r, o in zip(reference, other, strict=True)
-    ]
-
-
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
     q = quantize_int8(w)
     return q.qweight.float() * q.scales.float()[:, None]
-
-
-def int8_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 with one symmetric scale per row of its last dimension."""
-    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)
-    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX) * scale
 
 
 def int8_groups(size: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -134,6 +134,14 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q.contiguous(), scales, weight.dtype)
 
 
+def int8_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 with one symmetric scale per row of its last dimension, returned
+    dequantized (float): the plain rounding that bench/quant_quality.py's what-ifs and the KV
+    rotation test's baseline compare against."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)
+    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX) * scale
+
+
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min/max 4-bit codes of a [N, K] weight: q int32 [N, K] in [0, 15], and float32 scale
     and min [N, K / 32] with w ~= scale * q + min (Q4_1's d, m and q for a GGUF's weights)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdserve.redis_server import RedisServer
 from pdserve.registry import Registry, WorkerInfo
+from tests.waiting import wait_until
 
 PDSERVE = (sys.executable, "-m", "pdserve.cli")
 
@@ -82,20 +83,21 @@ class Cluster:
             self.wait_registered(worker)
         return worker
 
+    def entry(self, worker: WorkerProcess) -> WorkerInfo | None:
+        """The worker's registry entry, None while it has none."""
+        found = [w for w in self.registry.workers(worker.role) if w.worker_id == worker.worker_id]
+        return found[0] if found else None
+
     def wait_registered(self, worker: WorkerProcess, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = [
-                w for w in self.registry.workers(worker.role) if w.worker_id == worker.worker_id
-            ]
-            if found:
-                worker.info = found[0]
-                return
-            if worker.process.poll() is not None:
+        def registered() -> WorkerInfo | None:
+            if (info := self.entry(worker)) is None and worker.process.poll() is not None:
                 raise RuntimeError(f"{worker.worker_id} exited with {worker.process.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{worker.worker_id} did not register in {timeout_s} s")
-            time.sleep(0.2)
+            return info
+
+        worker.info = wait_until(
+            registered, timeout_s=timeout_s, interval_s=0.2,
+            message=f"{worker.worker_id} did not register",
+        )  # fmt: skip
 
     def wait_all_registered(self) -> None:
         """Waits for every worker not registered yet: workers started with wait=False side by
@@ -105,10 +107,18 @@ class Cluster:
                 self.wait_registered(worker)
 
     def load(self, worker: WorkerProcess):
-        """The worker's live load, as its next heartbeat publishes it."""
-        time.sleep(self.registry_ttl_s / 2)  # one heartbeat period (ttl/3) and a margin
-        [info] = [w for w in self.registry.workers(worker.role) if w.worker_id == worker.worker_id]
-        return info.load
+        """The worker's live load, as its next heartbeat publishes it: an entry published after
+        this call (older ones may predate what the test just did)."""
+        since = time.time()
+
+        def fresh() -> WorkerInfo | None:
+            info = self.entry(worker)
+            return info if info is not None and info.updated_at > since else None
+
+        return wait_until(
+            fresh, timeout_s=60, interval_s=0.05,
+            message=f"no heartbeat from {worker.worker_id} after {since:.3f}",
+        ).load  # fmt: skip
 
     def stop(self) -> None:
         for worker in self.workers:

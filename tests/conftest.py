@@ -18,10 +18,12 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def llm():
-    """One fp32 engine shared by the tests that leave it idle (they assert they do)."""
+    """One fp32 engine on the CPU shared by the tests that leave it idle (they assert they do).
+    The device is pinned: on a CUDA host auto would pick cuda in bfloat16, and the tests'
+    expected tokens are the CPU fp32 ones."""
     from engine import LLM
 
-    return LLM(num_threads=2)
+    return LLM(num_threads=2, device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ stream, a router's index follows it, rebuilds from it, and forgets a worker that
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
@@ -15,6 +14,7 @@ from pdserve import kv_events
 from pdserve.kv_events import CacheEventPublisher, CacheMirror, CacheUpdate, stream_key
 from pdserve.redis_server import RedisServer
 from router.prefix_index import PrefixIndex, follow
+from tests.waiting import wait_until, wait_until_async
 
 
 def h(i: int) -> bytes:
@@ -25,13 +25,6 @@ def h(i: int) -> bytes:
 def redis_url():
     with RedisServer() as server:
         yield server.url
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def entries(client: redis.Redis, worker_id: str) -> list[CacheUpdate]:
@@ -57,7 +50,12 @@ def test_the_stream_starts_with_a_snapshot_and_batches_a_step_into_one_entry(red
         assert entries(client, "w-restarted") == [CacheUpdate(True, ())]
         publisher.submit([(True, h(1)), (True, h(2))])
         publisher.submit([(False, h(2)), (True, h(3))])
-        wait_for(lambda: len(entries(client, "w-restarted")) == 2)
+        wait_until(
+            lambda: len(entries(client, "w-restarted")) == 2,
+            timeout_s=30,
+            interval_s=0.05,
+            message="w-restarted's two entries never showed",
+        )
         last = entries(client, "w-restarted")[-1]
         assert (last.is_snapshot, sorted(last.stored), last.evicted) == (
             False, sorted([h(1), h(3)]), (),
@@ -75,7 +73,12 @@ def test_a_snapshot_follows_every_snapshot_every_deltas(redis_url, monkeypatch):
     try:
         for i in range(4):
             publisher.submit([(True, h(i))])
-            wait_for(lambda i=i: len(entries(client, "w-snap")) == i + 2)
+            wait_until(
+                lambda i=i: len(entries(client, "w-snap")) == i + 2,
+                timeout_s=30,
+                interval_s=0.05,
+                message="w-snap's entries never grew",
+            )
         kinds = [u.is_snapshot for u in entries(client, "w-snap")]
         assert kinds == [True, False, False, False, True]
         assert sorted(entries(client, "w-snap")[-1].stored) == sorted(h(i) for i in range(4))
@@ -93,10 +96,7 @@ def test_the_index_follows_rebuilds_and_forgets_workers(redis_url):
         task = asyncio.create_task(follow(index, redis_url, lambda: registered, block_ms=50))
 
         async def until(condition: Callable[[], bool]) -> None:
-            deadline = time.monotonic() + 30
-            while not condition():
-                assert time.monotonic() < deadline, "index did not follow"
-                await asyncio.sleep(0.05)
+            await wait_until_async(condition, timeout_s=30, message="index did not follow")
 
         publishers["p-0"].submit([(True, h(1)), (True, h(2))])
         publishers["d-0"].submit([(True, h(9))])

@@ -10,10 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from engine import SamplingParams
 from pdserve.launcher import RestartPolicy, Restarts
 from pdserve.redis_server import free_port
 from pdserve.registry import Registry
+from tests.waiting import wait_until
 
 PROMPT_IDS = [(37 * i) % 3000 + 200 for i in range(48)]
 MAX_TOKENS = 6
@@ -93,13 +93,6 @@ def _is_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s:.0f} s: {what}"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def expected_text(llm) -> str:
     """The single-process engine's completion, before the cluster takes the cores."""
@@ -161,10 +154,18 @@ def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expec
     assert status == 200, body
     assert body["choices"][0]["text"] == expected_text
 
-    wait_until(lambda: up.children().get("prefill-0", before["prefill-0"]) != before["prefill-0"],
-               "prefill-0 started again")  # fmt: skip
-    wait_until(lambda: registered(up).get("prefill-0") not in (None, old_address),
-               "the new prefill-0 registered")  # fmt: skip
+    wait_until(
+        lambda: up.children().get("prefill-0", before["prefill-0"]) != before["prefill-0"],
+        timeout_s=WAIT_S,
+        interval_s=0.2,
+        message="prefill-0 started again",
+    )
+    wait_until(
+        lambda: registered(up).get("prefill-0") not in (None, old_address),
+        timeout_s=WAIT_S,
+        interval_s=0.2,
+        message="the new prefill-0 registered",
+    )
     after = up.children()
     assert {n: p for n, p in after.items() if n != "prefill-0"} == {
         n: p for n, p in before.items() if n != "prefill-0"
@@ -180,17 +181,30 @@ def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expec
 def test_a_killed_redis_is_restarted_on_its_port_and_the_workers_register_again(up, expected_text):
     before = up.children()
     os.kill(before["redis"], signal.SIGKILL)
-    wait_until(lambda: up.children().get("redis", before["redis"]) != before["redis"],
-               "redis started again")  # fmt: skip
-    wait_until(lambda: set(registered(up)) == {"prefill-0", "prefill-1", "decode-0"},
-               "every worker registered in the new Redis")  # fmt: skip
+    wait_until(
+        lambda: up.children().get("redis", before["redis"]) != before["redis"],
+        timeout_s=WAIT_S,
+        interval_s=0.2,
+        message="redis started again",
+    )
+    wait_until(
+        lambda: set(registered(up)) == {"prefill-0", "prefill-1", "decode-0"},
+        timeout_s=WAIT_S,
+        interval_s=0.2,
+        message="every worker registered in the new Redis",
+    )
     port = up.redis_url.rsplit(":", 1)[1].split("/")[0]
     assert f"redis restarted on port {port}" in up.output()
     assert {n: p for n, p in up.children().items() if n != "redis"} == {
         n: p for n, p in before.items() if n != "redis"
     }
     # The router follows the registry again: wait for it to see both pools, then serve.
-    wait_until(lambda: _router_healthy(up), "the router sees the workers")
+    wait_until(
+        lambda: _router_healthy(up),
+        timeout_s=WAIT_S,
+        interval_s=0.2,
+        message="the router sees the workers",
+    )
     status, body = up.complete()
     assert status == 200, body
     assert body["choices"][0]["text"] == expected_text
@@ -201,7 +215,12 @@ def test_sigterm_to_the_launcher_stops_every_child(up):
     assert len(pids) == 5
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(timeout=120) == 0
-    wait_until(lambda: up.output().rstrip().endswith("stopped."), "the last line", 10)
+    wait_until(
+        lambda: up.output().rstrip().endswith("stopped."),
+        timeout_s=60,
+        interval_s=0.2,
+        message="the last line",
+    )
     assert "exited with" not in up.output().split("stopping the cluster...")[1]  # no restarts
     assert [name for name, pid in pids.items() if _is_alive(pid)] == []
 

@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.redis_server import RedisServer
 from pdserve.registry import Heartbeat, Registry, WorkerInfo, WorkerLoad
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +40,40 @@ def test_workers_are_listed_by_role_with_their_load(registry):
 
 
 def test_an_entry_expires_without_heartbeats(registry):
-    registry.publish(info("decode", "short-lived"), ttl_s=0.3)
+    # Listed under a TTL no host outlives between two calls; then published again (as a
+    # heartbeat does) with a short one, and nothing more: Redis must drop it on its own.
+    registry.publish(info("decode", "short-lived"), ttl_s=60)
     assert [w.worker_id for w in registry.workers("decode")] == ["short-lived"]
-    time.sleep(0.5)
+    registry.publish(info("decode", "short-lived"), ttl_s=0.3)
+    wait_until(
+        lambda: registry.workers("decode") == [],
+        timeout_s=30,
+        message=lambda: f"the entry never expired: {registry.workers('decode')}",
+    )
     assert registry.workers("decode") == []
 
 
 def test_a_heartbeat_keeps_the_entry_fresh_and_stop_removes_it(registry):
-    load = {"queued": 0}
+    load, ttl_s = {"queued": 0}, 0.6
+    started = time.time()
     heartbeat = Heartbeat(
-        registry, lambda: info("prefill", "hb", queued_tokens=load["queued"]), ttl_s=0.6
+        registry, lambda: info("prefill", "hb", queued_tokens=load["queued"]), ttl_s=ttl_s
     ).start()
     load["queued"] = 42
-    time.sleep(1.0)  # past the TTL: only heartbeats keep it alive
-    [entry] = registry.workers("prefill")
+
+    def published_past_the_ttl() -> WorkerInfo | None:
+        """The entry once a heartbeat published it after start()'s entry would have expired:
+        past the TTL, only heartbeats keep it alive."""
+        entries = registry.workers("prefill")
+        if len(entries) == 1 and entries[0].updated_at > started + ttl_s:
+            return entries[0]
+        return None
+
+    entry = wait_until(
+        published_past_the_ttl,
+        timeout_s=30,
+        message=lambda: f"no heartbeat past the TTL: {registry.workers('prefill')}",
+    )
     assert entry.load.queued_tokens == 42
     heartbeat.stop()
     assert registry.workers("prefill") == []

@@ -1,10 +1,15 @@
 """The device setting end to end on the CPU: resolution and validation, where the tensors live
 (in process and in worker processes started with --device cpu / PDSERVE_DEVICE=cpu), the static
-decode step that CUDA graphs replay (run eagerly here), and the backend self-check."""
+decode step that CUDA graphs replay (run eagerly here), and the backend self-check.
+
+The tests detect the machine: what holds only where torch sees no CUDA device is skipped on a
+CUDA host, which checks the matching positive behaviour instead (auto picks cuda:0 in bfloat16,
+cuda is accepted, a device index past the last one is refused)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,13 +37,36 @@ from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
 
 NO_CUDA = f"torch {torch.__version__} sees no CUDA device"
+HAS_CUDA = torch.cuda.is_available()
+NUM_CUDA = torch.cuda.device_count() if HAS_CUDA else 0
+no_cuda_only = pytest.mark.skipif(
+    HAS_CUDA, reason="asserts the behaviour where torch sees no CUDA device; this host has one"
+)
+cuda_only = pytest.mark.skipif(
+    not HAS_CUDA, reason="asserts the behaviour where torch sees a CUDA device; this host has none"
+)
 
 
+@no_cuda_only
 def test_auto_picks_the_cpu_here_with_float32():
     assert not torch.cuda.is_available()
     for config in (EngineConfig(), EngineConfig(device="auto", dtype="auto")):
         assert (config.device, config.dtype) == ("cpu", "float32")
     assert EngineConfig(device="cpu", dtype="bfloat16").dtype == "bfloat16"
+
+
+@cuda_only
+def test_auto_picks_the_first_cuda_device_with_bfloat16():
+    for config in (EngineConfig(), EngineConfig(device="auto", dtype="auto")):
+        assert (config.device, config.dtype) == ("cuda:0", "bfloat16")
+    assert (EngineConfig(device="cuda").device, EngineConfig(device="cuda:0").device) == (
+        "cuda:0",
+        "cuda:0",
+    )
+    assert (EngineConfig(device="cpu").device, EngineConfig(device="cpu").dtype) == (
+        "cpu",
+        "float32",
+    )
 
 
 @pytest.mark.parametrize(
@@ -48,8 +76,15 @@ def test_auto_picks_the_cpu_here_with_float32():
         ("cuda:x", "device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         ("cuda:01", "device must be auto, cpu, cuda or cuda:N, got 'cuda:01'"),
         ("CPU", "device must be auto, cpu, cuda or cuda:N, got 'CPU'"),
-        ("cuda", f"device cuda asked for, but {NO_CUDA}"),
-        ("cuda:1", f"device cuda:1 asked for, but {NO_CUDA}"),
+        pytest.param("cuda", f"device cuda asked for, but {NO_CUDA}", marks=no_cuda_only),
+        pytest.param("cuda:1", f"device cuda:1 asked for, but {NO_CUDA}", marks=no_cuda_only),
+        pytest.param(
+            f"cuda:{NUM_CUDA}",
+            f"device cuda:{NUM_CUDA} asked for, but torch sees {NUM_CUDA} CUDA device(s): "
+            f"cuda:0..cuda:{NUM_CUDA - 1}",
+            marks=cuda_only,
+            id="cuda:past-the-last",
+        ),
     ],
 )
 def test_bad_or_absent_devices_are_refused_with_the_reason(device, message):
@@ -70,9 +105,14 @@ def test_the_cli_refuses_a_bad_device_before_starting_a_worker():
         "Invalid value for '--device' (env var: 'PDSERVE_DEVICE'): device must be auto, cpu, "
         "cuda or cuda:N, got 'gpu'"
     ) in _plain(flag.output)
-    env = runner.invoke(app, ["decode"], env={"PDSERVE_DEVICE": "cuda"})
+    if HAS_CUDA:  # cuda is there: a device past the last one is the absent one
+        absent = f"cuda:{NUM_CUDA}"
+        reason = f"torch sees {NUM_CUDA} CUDA device(s): cuda:0..cuda:{NUM_CUDA - 1}"
+    else:
+        absent, reason = "cuda", NO_CUDA
+    env = runner.invoke(app, ["decode"], env={"PDSERVE_DEVICE": absent})
     assert env.exit_code == 2
-    assert f"device cuda asked for, but {NO_CUDA}" in _plain(env.output)
+    assert f"device {absent} asked for, but {reason}" in _plain(env.output)
 
 
 def _sample(name: str, **labels: str) -> float | None:
@@ -177,11 +217,14 @@ def test_workers_given_cpu_hold_their_tensors_on_the_cpu_and_serve(cpu_workers, 
 
 
 def test_the_gpu_check_runs_its_smoke_mode_on_the_cpu():
-    """bench/gpu_check.py --smoke: every section runs (tiny sizes) and the last line is JSON."""
+    """bench/gpu_check.py --smoke: every section runs (tiny sizes) and the last line is JSON.
+    CUDA_VISIBLE_DEVICES="" hides any GPU, so this is the CPU run on every host."""
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=600,
+        env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (result["device"], result["smoke"]) == ("cpu", True)

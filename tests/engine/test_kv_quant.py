@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.quant_quality import int8_last_dim
 from engine import LLM, SamplingParams, kv_quant
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.quantization import int8_last_dim
 from tests.engine.test_quantization import PROMPTS
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

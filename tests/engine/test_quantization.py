@@ -13,18 +13,18 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from bench.quant_quality import (
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, auto_quantization
+from engine.errors import InvalidRequestError
+from engine.loader import _unpermute
+from engine.model_files import BUNDLED_GGUF, DEFAULT_MODEL, resolve_model
+from engine.quality import (
     GREEDY,
     PROMPTS,
     first_divergences,
     greedy_continuations,
     teacher_forced,
 )
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig, auto_quantization
-from engine.errors import InvalidRequestError
-from engine.loader import _unpermute
-from engine.model_files import BUNDLED_GGUF, DEFAULT_MODEL, resolve_model
 from engine.quantization import (
     INT4_GROUP,
     Int4Weight,

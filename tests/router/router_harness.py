@@ -11,19 +11,52 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
+import httpx
 import torch
 
-from pdserve.registry import WorkerInfo, WorkerLoad
+from pdserve.registry import Registry, WorkerInfo, WorkerLoad
 from router.server import RouterServer
 from router.settings import RouterSettings
 from router.ticket import Ticket, affinity_key, kv_blocks_held
 from router.workers import WorkerPool
+from tests.waiting import wait_until
 
 MODEL = "smollm2-135m"
+
+
+def wait_for_decode_load(cluster, running: int, timeout_s: float = 60.0) -> WorkerLoad:
+    """The decode worker's load from a heartbeat sent after this call, once it shows `running`
+    requests (registry numbers lag by up to a heartbeat: older ones prove nothing)."""
+    registry, since = Registry(cluster.redis_url), time.time()
+
+    def fresh() -> WorkerLoad | None:
+        (decode,) = registry.workers("decode")
+        if decode.updated_at > since and decode.load.running_requests == running:
+            return decode.load
+        return None
+
+    return wait_until(
+        fresh, timeout_s=timeout_s, interval_s=0.1,
+        message=f"decode worker never showed {running} running",
+    )  # fmt: skip
+
+
+def routed_decode_requests(cluster) -> int:
+    workers = httpx.get(f"{cluster.http_url}/admin/workers", timeout=10).json()["workers"]
+    (decode,) = [w for w in workers if w["role"] == "decode"]
+    return decode["assigned_here"]["requests"]
+
+
+def assert_cancelled_downstream(cluster) -> None:
+    """The decode worker runs nothing and holds no KV block; the router routes nothing there."""
+    idle = wait_for_decode_load(cluster, running=0)
+    assert idle.free_blocks == idle.total_blocks  # every KV block is back
+    assert routed_decode_requests(cluster) == 0
 
 
 def worker(

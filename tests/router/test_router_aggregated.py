@@ -5,7 +5,6 @@ whole to the aggregated worker and longer ones split across the P/D pools."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -18,6 +17,7 @@ from pdserve.redis_server import free_port
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from tests.cluster import Cluster
+from tests.waiting import wait_until
 
 # For `up`'s children: the router's short bucket (what a mixed cluster sends whole) and the
 # aggregated worker's prefill chunk, so the medium prompt is prefilled in four chunks.
@@ -70,13 +70,6 @@ def reference(llm) -> Callable[[list[int]], list[int]]:
     return run
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.2)
-
-
 def test_aggregated_cluster_gives_the_engines_greedy_tokens(up, llm, reference):
     health = httpx.get(f"{up.http_url}/health", timeout=10)
     assert health.status_code == 200
@@ -122,7 +115,9 @@ def test_mixed_cluster_sends_short_prompts_whole_and_longer_ones_split(up, llm, 
                 httpx.get(f"{up.http_url}/health", timeout=10).json()["workers"]
                 == {"prefill": 1, "decode": 1, "aggregated": 1}
             ),
-            "the router sees all three",
+            timeout_s=180,
+            interval_s=0.2,
+            message="the router sees all three",
         )
         short, medium = llm.tokenizer.encode(SHORT), llm.tokenizer.encode(MEDIUM)
         routed = lambda role, worker: up.metric(  # noqa: E731

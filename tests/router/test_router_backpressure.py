@@ -5,9 +5,7 @@ is no load: it gets a 400 at once."""
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,6 +17,7 @@ from router_harness import MODEL
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router.settings import AdmissionSettings
+from tests.waiting import wait_until
 
 NUM_EXCESS = 4
 # One request in prefill at a time (any prompt exceeds a 1-token budget, and an idle worker
@@ -30,13 +29,6 @@ SATURATING = AdmissionSettings(prefill_token_budget=1, max_queued_requests=1,
 def long_prompt() -> str:
     """~1,300 tokens, unique so that no prefix cache shortens its prefill."""
     return f"Run {uuid.uuid4().hex}: " + " ".join(f"item{i}" for i in range(300))
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
 
 
 def admin(router) -> dict:
@@ -67,9 +59,19 @@ def test_http_429_with_retry_after_while_admitted_requests_complete(start_router
     rejected_before = rejections(router, "queue_full")
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(client.completions.create, prompt=long_prompt(), **ask)
-        wait_until(lambda: in_prefill(router), "the long request is in prefill")
+        wait_until(
+            lambda: in_prefill(router),
+            timeout_s=60,
+            interval_s=0.02,
+            message="the long request is in prefill",
+        )
         queued = pool.submit(client.completions.create, prompt="One, two, three,", **ask)
-        wait_until(lambda: num_queued(router) == 1, "the second request is queued")
+        wait_until(
+            lambda: num_queued(router) == 1,
+            timeout_s=60,
+            interval_s=0.02,
+            message="the second request is queued",
+        )
         errors = []
         for _ in range(NUM_EXCESS):
             with pytest.raises(openai.RateLimitError) as excess:
@@ -105,9 +107,19 @@ def test_grpc_resource_exhausted_while_admitted_requests_complete(start_router):
 
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(complete, long_prompt())
-        wait_until(lambda: in_prefill(router), "the long request is in prefill")
+        wait_until(
+            lambda: in_prefill(router),
+            timeout_s=60,
+            interval_s=0.02,
+            message="the long request is in prefill",
+        )
         queued = pool.submit(complete, "One, two, three,")
-        wait_until(lambda: num_queued(router) == 1, "the second request is queued")
+        wait_until(
+            lambda: num_queued(router) == 1,
+            timeout_s=60,
+            interval_s=0.02,
+            message="the second request is queued",
+        )
         errors = []
         for _ in range(NUM_EXCESS):
             with pytest.raises(grpc.RpcError) as excess:

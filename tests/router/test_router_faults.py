@@ -29,6 +29,7 @@ from router import metrics
 from router.gateway import Gateway
 from router.settings import RouterSettings, RoutingSettings
 from tests.cluster import Cluster, WorkerProcess
+from tests.waiting import wait_until
 
 DEADLINE_S = 3.0
 MAX_TOKENS = 32
@@ -90,17 +91,20 @@ def two_live_decode_workers(cluster: Cluster) -> None:
 
 def wait_until_idle(cluster: Cluster, timeout_s: float = 120.0) -> None:
     """Every decode worker's KV blocks free again, by a heartbeat sent after this call."""
-    since, deadline = time.time(), time.monotonic() + timeout_s
-    while True:
+    since, fresh = time.time(), []
+
+    def idle() -> bool:
         infos = {w.worker_id: w for w in cluster.registry.workers("decode")}
-        fresh = [infos.get(w.worker_id) for w in of_role(cluster, "decode")]
-        if all(i is not None and i.updated_at > since for i in fresh) and all(
+        fresh[:] = [infos.get(w.worker_id) for w in of_role(cluster, "decode")]
+        return all(i is not None and i.updated_at > since for i in fresh) and all(
             i.load.free_blocks == i.load.total_blocks and i.load.running_requests == 0
             for i in fresh
-        ):
-            return
-        assert time.monotonic() < deadline, [i.load if i else None for i in fresh]
-        time.sleep(0.2)
+        )
+
+    wait_until(
+        idle, timeout_s=timeout_s, interval_s=0.2,
+        message=lambda: str([i.load if i else None for i in fresh]),
+    )  # fmt: skip
 
 
 def assert_deadline_errors(router: InProcessRouter) -> None:
@@ -226,11 +230,16 @@ class Streams:
 
     def wait_for_tokens(self, num_tokens: int, timeout_s: float = 240.0) -> None:
         """Until every stream has num_tokens tokens; none may end before."""
-        deadline = time.monotonic() + timeout_s
-        while min(self.progress) < num_tokens:
+
+        def reached() -> bool:
+            if min(self.progress) >= num_tokens:
+                return True
             assert not any(f.done() for f in self.futures), [f.exception() for f in self.futures]
-            assert time.monotonic() < deadline, self.progress
-            time.sleep(0.02)
+            return False
+
+        wait_until(
+            reached, timeout_s=timeout_s, interval_s=0.02, message=lambda: str(self.progress)
+        )
 
     def results(self) -> list[list[pb.GenerateResponse]]:
         return [f.result(timeout=300) for f in self.futures]

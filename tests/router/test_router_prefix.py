@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -21,6 +21,7 @@ from pdserve.worker.v1 import worker_pb2_grpc
 from router.prefix_index import Choice
 from router.settings import RouterSettings
 from tests.cluster import Cluster, WorkerProcess
+from tests.waiting import wait_until
 
 BLOCK = 16
 PREFILL_BLOCKS = 128  # a 2047-token prompt takes every block: everything cached is evicted
@@ -56,13 +57,6 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
 def wait_idle(router: InProcessRouter) -> None:
     """Until the router sees every worker idle, in heartbeats sent after the requests so far
     ended (an older one may show a request that has finished): equal loads."""
@@ -78,14 +72,18 @@ def wait_idle(router: InProcessRouter) -> None:
             and (all(v.running_requests == 0 for v in decode))
         )
 
-    wait_for(idle, "every worker is idle")
+    wait_until(idle, timeout_s=60, interval_s=0.05, message="every worker is idle")
 
 
 def wait_indexed(router: InProcessRouter, worker: WorkerProcess, prompt: list[int]) -> None:
     hashes = set(prompt_block_hashes(prompt + [0], BLOCK))  # every full block of the prompt
     index = router.server.prefixes
-    wait_for(lambda: hashes <= index.cached_hashes(worker.worker_id),
-             f"the index shows {worker.worker_id} holding the prompt")  # fmt: skip
+    wait_until(
+        lambda: hashes <= index.cached_hashes(worker.worker_id),
+        timeout_s=60,
+        interval_s=0.05,
+        message=f"the index shows {worker.worker_id} holding the prompt",
+    )
 
 
 def direct(decode: WorkerProcess, prefill: WorkerProcess, prompt: list[int], max_tokens: int):
@@ -150,7 +148,12 @@ def test_load_wins_over_a_heavily_loaded_holder(cluster, router):
     long = threading.Thread(target=complete, args=(router, tokens(5, 1500), 1))
     long.start()
     ledger = router.server.pool.ledgers["prefill"]
-    wait_for(lambda: ledger.share(prefill_0.worker_id).amount == 1500, "the long prompt is on")
+    wait_until(
+        lambda: ledger.share(prefill_0.worker_id).amount == 1500,
+        timeout_s=60,
+        interval_s=0.05,
+        message="the long prompt is on",
+    )
     turn_2 = turn_1 + tokens(6, 4) + tokens(7, 40)
     complete(router, turn_2, max_tokens=2)
     choice = last_choice(router)
@@ -170,5 +173,9 @@ def test_evicted_blocks_leave_the_index(cluster, router):
     expected = set(prompt_block_hashes(flood + [0], BLOCK))
     assert len(expected) == PREFILL_BLOCKS - 1  # its last, partial block is never cached
     index = router.server.prefixes
-    wait_for(lambda: index.cached_hashes(prefill_0.worker_id) == expected,
-             "the index holds exactly the new prompt's blocks")  # fmt: skip
+    wait_until(
+        lambda: index.cached_hashes(prefill_0.worker_id) == expected,
+        timeout_s=60,
+        interval_s=0.05,
+        message="the index holds exactly the new prompt's blocks",
+    )

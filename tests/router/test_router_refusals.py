@@ -3,7 +3,6 @@ sends it to another decode worker (a 429 comes only when every one refuses)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -16,6 +15,7 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from router.settings import RouterSettings
 from tests.cluster import Cluster, WorkerProcess
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,15 @@ def occupy(cluster: Cluster, decode: WorkerProcess, num_streams: int) -> list:
 
 def wait_for_loads(router: InProcessRouter, running: dict[str, int]) -> None:
     """Until the router's view of each decode worker shows these running requests."""
-    deadline = time.monotonic() + 60
-    while True:
+
+    def shown() -> bool:
         views = router.server.pool.views("decode")
-        if {v.worker_id: v.running_requests for v in views} == running:
-            return
-        assert time.monotonic() < deadline, f"router sees {views}"
-        time.sleep(0.1)
+        return {v.worker_id: v.running_requests for v in views} == running
+
+    wait_until(
+        shown, timeout_s=60, interval_s=0.1,
+        message=lambda: f"router sees {router.server.pool.views('decode')}",
+    )  # fmt: skip
 
 
 def refusals(decode_worker: str) -> float:

@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-from router_harness import MODEL
-from test_router_cancel import assert_cancelled_downstream
+from router_harness import MODEL, assert_cancelled_downstream
 
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc

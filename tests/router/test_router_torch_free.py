@@ -5,26 +5,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 from conftest import Cluster
 
 from pdserve.redis_server import free_port
+from tests.waiting import wait_until
 
 
 def _wait_serving(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120.0
-    while time.monotonic() < deadline:
+
+    def serving() -> bool:
         assert process.poll() is None, f"router exited with {process.returncode}"
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
-                return
+            return httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"router at {url} did not serve within 120 s")
+            return False
+
+    wait_until(serving, timeout_s=120.0, interval_s=0.2, message=f"router at {url} did not serve")
 
 
 def test_a_serving_router_has_no_torch_mapped(cluster: Cluster) -> None:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pdserve.registry import worker_key
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
+from tests.waiting import wait_until
 from tests.workers.conftest import generate, token_ids
 
 LONG = [(13 * i) % 5000 + 200 for i in range(3000)]  # several seconds of prefill on 1 thread
@@ -26,24 +27,43 @@ def tcp_cluster():
     cluster.stop()
 
 
-def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
+class Killer(threading.Thread):
+    """SIGKILLs the worker mid-transfer: once a first chunk's KV has landed on the decode worker
+    (the prefill worker counts its bytes sent) while its engine still holds the prompt's tokens.
+    join() re-raises a failure to see that state, so the test cannot pass on a late kill."""
+
+    def __init__(self, worker) -> None:
+        super().__init__(name=f"kill-{worker.worker_id}")
+        self.worker, self.failure = worker, None
+
+    def mid_transfer(self) -> bool:
+        sent = self.worker.metric(
+            "pdserve_kv_transfer_bytes_total", backend="tcp", direction="sent"
+        )
+        return sent > 0 and self.worker.metric("pdserve_prefill_queued_tokens") > 0
+
+    def run(self) -> None:
+        try:
+            wait_until(
+                self.mid_transfer,
+                timeout_s=120,
+                message=f"{self.worker.worker_id} never seen mid-transfer",
+            )
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread by join()
+            self.failure = e
+        finally:
+            self.worker.kill()  # even on a failure: the test's request must not hang on it
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.failure is not None:
+            raise self.failure
 
 
-def kill_when_prefilling(worker) -> threading.Thread:
-    """SIGKILLs the worker as soon as its engine holds queued prompt tokens."""
-
-    def run():
-        wait_until(lambda: worker.metric("pdserve_prefill_queued_tokens") > 0)
-        time.sleep(0.3)  # a chunk or so in: KV has started to move
-        worker.kill()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+def kill_when_prefilling(worker) -> Killer:
+    killer = Killer(worker)
+    killer.start()
+    return killer
 
 
 def test_a_killed_prefill_worker_is_retried_on_another(tcp_cluster, llm):
@@ -88,7 +108,9 @@ def test_a_cancelled_stream_frees_the_decode_workers_blocks(tcp_cluster, llm):
             break
     stream.cancel()
     wait_until(
-        lambda: tcp_cluster.load(decode).free_blocks == tcp_cluster.load(decode).total_blocks
+        lambda: tcp_cluster.load(decode).free_blocks == tcp_cluster.load(decode).total_blocks,
+        timeout_s=60,
+        message=lambda: f"the decode worker kept blocks: {tcp_cluster.load(decode)}",
     )
     assert tcp_cluster.load(decode).running_requests == 0
 
@@ -105,7 +127,11 @@ def test_sigterm_drains(tcp_cluster):
     stream = stub.Generate(request)
     first = next(stream)
     decode.terminate()
-    wait_until(lambda: not [w for w in tcp_cluster.registry.workers("decode")])
+    wait_until(
+        lambda: not [w for w in tcp_cluster.registry.workers("decode")],
+        timeout_s=60,
+        message="the draining decode worker never left the registry",
+    )
     with pytest.raises(grpc.RpcError) as refused:
         list(stub.Generate(request, timeout=30))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -132,9 +158,17 @@ def test_health_and_reflection_answer_and_a_killed_worker_expires(tcp_cluster):
         names = {s.name for s in answer.list_services_response.service}
         assert {service, "grpc.health.v1.Health"} <= names
     prefill.kill()
-    killed_at = time.monotonic()
-    wait_until(lambda: not tcp_cluster.registry.workers("prefill"), timeout_s=10)
-    assert time.monotonic() - killed_at <= tcp_cluster.registry_ttl_s + 1.0
+    # Nothing removes a killed worker's entry: it must carry a TTL of at most registry_ttl_s
+    # (-2: already expired) and Redis must then drop it on its own.
+    remaining_ms = tcp_cluster.registry.redis.pttl(worker_key("prefill", prefill.worker_id))
+    assert remaining_ms == -2 or 0 < remaining_ms <= tcp_cluster.registry_ttl_s * 1000
+    wait_until(
+        lambda: not tcp_cluster.registry.workers("prefill"),
+        timeout_s=30,
+        message=lambda: (
+            f"the killed worker's entry stayed: {tcp_cluster.registry.workers('prefill')}"
+        ),
+    )
     assert [w.worker_id for w in tcp_cluster.registry.workers("decode")] == [decode.worker_id]
 
 
