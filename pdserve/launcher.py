@@ -34,6 +34,38 @@ class ChildExited(RuntimeError):
     """A process of the cluster exited during start-up; carries the tail of its log."""
 
 
+class ClusterShapeError(ValueError):
+    """Worker counts that cannot serve a request; says why and which flags would fix it."""
+
+
+def check_shape(num_prefill: int, num_decode: int, num_aggregated: int) -> None:
+    """Raises ClusterShapeError for a shape the router could never serve, or serve while some
+    pool sits idle: a decode worker has its prompts prefilled by a prefill worker, a prefill
+    worker fills a decode worker's KV, and beside aggregated workers a lone pool gets nothing
+    (router/admission/controller.py's Kind). Without this, such a cluster waited its whole
+    start-up timeout for a router that never became healthy."""
+    counts = {"--prefill": num_prefill, "--decode": num_decode, "--aggregated": num_aggregated}
+    for flag, count in counts.items():
+        if count < 0:
+            raise ClusterShapeError(
+                f"{flag} {count}: a worker count cannot be negative; use 0 or more"
+            )
+    if num_prefill + num_decode + num_aggregated == 0:
+        raise ClusterShapeError("no workers: add --prefill 1 --decode 1, or --aggregated 1")
+    if num_decode and not num_prefill:
+        raise ClusterShapeError(
+            "decode workers need a prefill worker: add --prefill 1, or "
+            + ("--decode 0 to serve with the aggregated workers only" if num_aggregated
+               else "serve with --aggregated 1 --decode 0")
+        )  # fmt: skip
+    if num_prefill and not num_decode:
+        raise ClusterShapeError(
+            "prefill workers need a decode worker: add --decode 1, or "
+            + ("--prefill 0 to serve with the aggregated workers only" if num_aggregated
+               else "serve with --aggregated 1 --prefill 0")
+        )  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
     """How a process that died is started again: after backoff_s, doubled for every death in a
@@ -87,6 +119,9 @@ class ClusterSpec:
     log_dir: Path | None = None
     startup_timeout_s: float = 300.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:  # before anything starts, Redis included
+        check_shape(self.num_prefill, self.num_decode, self.num_aggregated)
 
     def threads_per_worker(self) -> int:
         """Torch threads per worker: the cores shared out, because workers that each take
