@@ -22,12 +22,15 @@ from pathlib import Path
 
 import redis
 
+from pdserve import phase
+from pdserve.progress import Phases, StartupProgress
 from pdserve.redis_server import RedisServer, free_port
 from pdserve.registry import Registry, Role
 
 WORKER_DRAIN_GRACE_S = 5.0  # a local cluster has no rolling updates to wait for
 SUPERVISE_EVERY_S = 0.5
 Report = Callable[[str], None]
+Progress = Callable[[Phases], None]
 
 
 class ChildExited(RuntimeError):
@@ -139,6 +142,10 @@ class Child:
     log_path: Path
     restarts: Restarts = field(default_factory=Restarts)
 
+    @property
+    def phase_path(self) -> Path:
+        return _phase_path(self.log_path)
+
     def log_tail(self, num_lines: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
@@ -190,15 +197,18 @@ class LocalCluster:
         assert self.redis is not None, "start() first"
         return self.redis.url
 
-    def start(self) -> LocalCluster:
+    def start(self, progress: Progress | None = None) -> LocalCluster:
         """Starts everything and waits until all of it serves; on any failure stops what
         started and raises. A child that dies before the cluster is up is a configuration
-        error (a port in use, a bad flag): start-up fails with its log instead of retrying."""
+        error (a port in use, a bad flag): start-up fails with its log instead of retrying.
+        progress, when given, is called with every process's phase as start-up goes."""
         from engine.model_files import resolve_model
 
         spec = self.spec
         try:
             resolve_model(spec.model)  # convert a GGUF once here, not in every child at once
+            if progress is not None:
+                progress({"redis": "starting"})
             self.redis = RedisServer(host=spec.host)
             for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
                 for i in range(count):
@@ -210,7 +220,7 @@ class LocalCluster:
                 self.router = self._spawn_router("router", spec.router_args,
                                                  spec.http_port, spec.grpc_port)  # fmt: skip
             routers = [self.router] if self.router else []
-            self._wait_ready(routers, self.children, self._all_registered)
+            self._wait_ready(routers, self.children, self._all_registered, progress)
         except BaseException:
             self.stop()
             raise
@@ -286,12 +296,19 @@ class LocalCluster:
         return all(len(registry.workers(r)) >= n for r, n in wanted.items())
 
     def _wait_ready(
-        self, routers: list[RouterEndpoint], children: list[Child], ready: Callable[[], bool]
+        self,
+        routers: list[RouterEndpoint],
+        children: list[Child],
+        ready: Callable[[], bool],
+        progress: Progress | None = None,
     ) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while True:
             _check_alive(children)
-            if ready() and all(router.is_healthy() for router in routers):
+            healthy = {router.name: router.is_healthy() for router in routers}
+            if progress is not None:
+                progress({"redis": "ready"} | {c.name: _phase(c, healthy) for c in children})
+            if ready() and all(healthy.values()):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -456,7 +473,8 @@ def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
         signal.signal(sig, interrupt)
     code = 0
     try:
-        cluster.start()
+        with StartupProgress(echo, live=sys.stdout.isatty()) as progress:
+            cluster.start(progress)
         echo(cluster.banner())
         cluster.watch(echo)
         while True:
@@ -474,9 +492,14 @@ def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
     return code
 
 
+def _phase_path(log_path: Path) -> Path:
+    return log_path.with_suffix(".phase")
+
+
 def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes]:
     """`pdserve ARGS` with its output in log_path ("ab" on a restart: the dead run's log stays
-    above the new one's)."""
+    above the new one's) and its start-up phase in the file beside it (pdserve.phase)."""
+    _phase_path(log_path).unlink(missing_ok=True)  # starting, also after a restart
     with log_path.open(mode) as log:
         if mode == "ab":
             log.write(b"\n---- restarted by the pdserve launcher ----\n")
@@ -485,7 +508,8 @@ def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes
             [sys.executable, "-m", "pdserve.launcher", *args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=os.environ | {"TOKENIZERS_PARALLELISM": "false",
-                              _LAUNCHER_PID_ENV: str(os.getpid())},
+                              _LAUNCHER_PID_ENV: str(os.getpid()),
+                              phase.PHASE_FILE_ENV: str(_phase_path(log_path))},
             # Own session: Ctrl-C reaches only the launcher, which stops the cluster in
             # order; the children still die with the launcher if it is killed.
             start_new_session=True,
@@ -500,6 +524,13 @@ def _check_alive(children: list[Child]) -> None:
                 f"{child.name} exited with {_describe_exit(code)}; the end of "
                 f"{child.log_path}:\n{child.log_tail()}"
             )
+
+
+def _phase(child: Child, healthy_routers: dict[str, bool]) -> phase.Phase:
+    """A worker writes its phase; a router has none of its own: ready once healthy."""
+    if child.name in healthy_routers:
+        return "ready" if healthy_routers[child.name] else "starting"
+    return phase.read(child.phase_path)
 
 
 def _describe_exit(code: int) -> str:

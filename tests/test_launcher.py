@@ -22,6 +22,7 @@ import pytest
 
 from engine import SamplingParams
 from pdserve.launcher import ClusterShapeError, RestartPolicy, Restarts, check_shape
+from pdserve.phase import PHASES
 from pdserve.redis_server import free_port
 from pdserve.registry import Registry
 
@@ -148,6 +149,19 @@ def registered(up: Up) -> dict[str, str]:
         return {w.worker_id: w.address for r in ("prefill", "decode") for w in registry.workers(r)}
     except Exception:  # Redis restarting
         return {}
+
+
+def test_start_up_progress_shows_every_process_reaching_ready(up):
+    # Not a terminal: one line per phase change, before the banner.
+    seen: dict[str, list[str]] = {}
+    for line in up.output().split("pdserve is up")[0].splitlines():
+        name, phase = re.fullmatch(r"(\S+): (\w+) \(\d+ s\)", line).groups()
+        seen.setdefault(name, []).append(phase)
+    assert set(seen) == {"redis", "router", "prefill-0", "prefill-1", "decode-0"}
+    for name, phases in seen.items():  # a poll may miss a short phase, never reorder them
+        assert phases[-1] == "ready", (name, phases)
+        assert phases == sorted(set(phases), key=PHASES.index), (name, phases)
+    assert "warming" not in {p for phases in seen.values() for p in phases}  # --no-warmup
 
 
 def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expected_text):
