@@ -348,20 +348,24 @@ def up(**values: Any) -> None:
     SIGTERM stops it all."""
     from pathlib import Path
 
-    from pdserve.launcher import ClusterSpec, LocalCluster, run_until_signalled
+    from pdserve.launcher import ClusterShapeError, ClusterSpec, LocalCluster, run_until_signalled
 
     v = values
     restart = RestartPolicy(
         backoff_s=v["restart_backoff_s"], max_backoff_s=v["max_restart_backoff_s"]
     )
-    spec = ClusterSpec(
-        num_prefill=v["prefill"], num_decode=v["decode"], num_aggregated=v["aggregated"],
-        model=v["model"], dtype=v["dtype"], kv_backend=v["kv_backend"], host=v["host"],
-        http_port=v["http_port"], grpc_port=v["grpc_port"], num_cores=v["cores"],
-        warmup=v["warmup"], log_dir=Path(v["log_dir"]) if v["log_dir"] else None,
-        router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),
-        restart=restart,
-    )  # fmt: skip
+    try:
+        spec = ClusterSpec(
+            num_prefill=v["prefill"], num_decode=v["decode"], num_aggregated=v["aggregated"],
+            model=v["model"], dtype=v["dtype"], kv_backend=v["kv_backend"], host=v["host"],
+            http_port=v["http_port"], grpc_port=v["grpc_port"], num_cores=v["cores"],
+            warmup=v["warmup"], log_dir=Path(v["log_dir"]) if v["log_dir"] else None,
+            router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),
+            restart=restart,
+        )  # fmt: skip
+    except ClusterShapeError as e:  # a usage error: click's exit code for those
+        typer.echo(f"pdserve up: {e}", err=True)
+        raise typer.Exit(2) from e
     raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))
 
 

@@ -22,16 +22,51 @@ from pathlib import Path
 
 import redis
 
+from pdserve import phase
+from pdserve.progress import Phases, StartupProgress
 from pdserve.redis_server import RedisServer, free_port
 from pdserve.registry import Registry, Role
 
 WORKER_DRAIN_GRACE_S = 5.0  # a local cluster has no rolling updates to wait for
 SUPERVISE_EVERY_S = 0.5
 Report = Callable[[str], None]
+Progress = Callable[[Phases], None]
 
 
 class ChildExited(RuntimeError):
     """A process of the cluster exited during start-up; carries the tail of its log."""
+
+
+class ClusterShapeError(ValueError):
+    """Worker counts that cannot serve a request; says why and which flags would fix it."""
+
+
+def check_shape(num_prefill: int, num_decode: int, num_aggregated: int) -> None:
+    """Raises ClusterShapeError for a shape the router could never serve, or serve while some
+    pool sits idle: a decode worker has its prompts prefilled by a prefill worker, a prefill
+    worker fills a decode worker's KV, and beside aggregated workers a lone pool gets nothing
+    (router/admission/controller.py's Kind). Without this, such a cluster waited its whole
+    start-up timeout for a router that never became healthy."""
+    counts = {"--prefill": num_prefill, "--decode": num_decode, "--aggregated": num_aggregated}
+    for flag, count in counts.items():
+        if count < 0:
+            raise ClusterShapeError(
+                f"{flag} {count}: a worker count cannot be negative; use 0 or more"
+            )
+    if num_prefill + num_decode + num_aggregated == 0:
+        raise ClusterShapeError("no workers: add --prefill 1 --decode 1, or --aggregated 1")
+    if num_decode and not num_prefill:
+        raise ClusterShapeError(
+            "decode workers need a prefill worker: add --prefill 1, or "
+            + ("--decode 0 to serve with the aggregated workers only" if num_aggregated
+               else "serve with --aggregated 1 --decode 0")
+        )  # fmt: skip
+    if num_prefill and not num_decode:
+        raise ClusterShapeError(
+            "prefill workers need a decode worker: add --decode 1, or "
+            + ("--prefill 0 to serve with the aggregated workers only" if num_aggregated
+               else "serve with --aggregated 1 --prefill 0")
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +123,9 @@ class ClusterSpec:
     startup_timeout_s: float = 300.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
+    def __post_init__(self) -> None:  # before anything starts, Redis included
+        check_shape(self.num_prefill, self.num_decode, self.num_aggregated)
+
     def threads_per_worker(self) -> int:
         """Torch threads per worker: the cores shared out, because workers that each take
         every core thrash each other."""
@@ -103,6 +141,10 @@ class Child:
     process: subprocess.Popen[bytes]
     log_path: Path
     restarts: Restarts = field(default_factory=Restarts)
+
+    @property
+    def phase_path(self) -> Path:
+        return _phase_path(self.log_path)
 
     def log_tail(self, num_lines: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -155,15 +197,18 @@ class LocalCluster:
         assert self.redis is not None, "start() first"
         return self.redis.url
 
-    def start(self) -> LocalCluster:
+    def start(self, progress: Progress | None = None) -> LocalCluster:
         """Starts everything and waits until all of it serves; on any failure stops what
         started and raises. A child that dies before the cluster is up is a configuration
-        error (a port in use, a bad flag): start-up fails with its log instead of retrying."""
+        error (a port in use, a bad flag): start-up fails with its log instead of retrying.
+        progress, when given, is called with every process's phase as start-up goes."""
         from engine.model_files import resolve_model
 
         spec = self.spec
         try:
             resolve_model(spec.model)  # convert a GGUF once here, not in every child at once
+            if progress is not None:
+                progress({"redis": "starting"})
             self.redis = RedisServer(host=spec.host)
             for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
                 for i in range(count):
@@ -175,7 +220,7 @@ class LocalCluster:
                 self.router = self._spawn_router("router", spec.router_args,
                                                  spec.http_port, spec.grpc_port)  # fmt: skip
             routers = [self.router] if self.router else []
-            self._wait_ready(routers, self.children, self._all_registered)
+            self._wait_ready(routers, self.children, self._all_registered, progress)
         except BaseException:
             self.stop()
             raise
@@ -251,12 +296,19 @@ class LocalCluster:
         return all(len(registry.workers(r)) >= n for r, n in wanted.items())
 
     def _wait_ready(
-        self, routers: list[RouterEndpoint], children: list[Child], ready: Callable[[], bool]
+        self,
+        routers: list[RouterEndpoint],
+        children: list[Child],
+        ready: Callable[[], bool],
+        progress: Progress | None = None,
     ) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while True:
             _check_alive(children)
-            if ready() and all(router.is_healthy() for router in routers):
+            healthy = {router.name: router.is_healthy() for router in routers}
+            if progress is not None:
+                progress({"redis": "ready"} | {c.name: _phase(c, healthy) for c in children})
+            if ready() and all(healthy.values()):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -421,7 +473,8 @@ def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
         signal.signal(sig, interrupt)
     code = 0
     try:
-        cluster.start()
+        with StartupProgress(echo, live=sys.stdout.isatty()) as progress:
+            cluster.start(progress)
         echo(cluster.banner())
         cluster.watch(echo)
         while True:
@@ -439,9 +492,14 @@ def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
     return code
 
 
+def _phase_path(log_path: Path) -> Path:
+    return log_path.with_suffix(".phase")
+
+
 def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes]:
     """`pdserve ARGS` with its output in log_path ("ab" on a restart: the dead run's log stays
-    above the new one's)."""
+    above the new one's) and its start-up phase in the file beside it (pdserve.phase)."""
+    _phase_path(log_path).unlink(missing_ok=True)  # starting, also after a restart
     with log_path.open(mode) as log:
         if mode == "ab":
             log.write(b"\n---- restarted by the pdserve launcher ----\n")
@@ -450,7 +508,8 @@ def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes
             [sys.executable, "-m", "pdserve", *args],  # pdserve/__main__.py
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=os.environ | {"TOKENIZERS_PARALLELISM": "false",
-                              _LAUNCHER_PID_ENV: str(os.getpid())},
+                              _LAUNCHER_PID_ENV: str(os.getpid()),
+                              phase.PHASE_FILE_ENV: str(_phase_path(log_path))},
             # Own session: Ctrl-C reaches only the launcher, which stops the cluster in
             # order; the children still die with the launcher if it is killed.
             start_new_session=True,
@@ -465,6 +524,13 @@ def _check_alive(children: list[Child]) -> None:
                 f"{child.name} exited with {_describe_exit(code)}; the end of "
                 f"{child.log_path}:\n{child.log_tail()}"
             )
+
+
+def _phase(child: Child, healthy_routers: dict[str, bool]) -> phase.Phase:
+    """A worker writes its phase; a router has none of its own: ready once healthy."""
+    if child.name in healthy_routers:
+        return "ready" if healthy_routers[child.name] else "starting"
+    return phase.read(child.phase_path)
 
 
 def _describe_exit(code: int) -> str:

@@ -20,6 +20,7 @@ import kvtransfer
 from engine import LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineDiedError
+from pdserve import phase
 from pdserve.kv_events import CacheEventPublisher
 from pdserve.registry import Heartbeat, Registry, WorkerInfo, WorkerLoad
 from pdserve.tls import server_credentials
@@ -58,6 +59,7 @@ EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: Kubernetes or the local launcher restarts 
 class WorkerRuntime:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
+        phase.report("loading")
         self.engine = LLMEngine(settings.engine)
         self.registry = Registry(settings.redis_url)
         self.cache_events = CacheEventPublisher(self.registry.redis, settings.worker_id)
@@ -116,10 +118,12 @@ class WorkerRuntime:
         self.cache_events.start()
         self.loop.start()
         if self.settings.warmup:
+            phase.report("warming")
             self.loop.call(self._warm_up)
         for name in names:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._heartbeat = Heartbeat(self.registry, self.info, self.settings.registry_ttl_s).start()
+        phase.report("ready")  # registered: the launcher's readiness check counts it now
         log.info("%s worker %s serving on %s", self.settings.role, self.settings.worker_id,
                  self.address)  # fmt: skip
         return self

@@ -1,5 +1,6 @@
 """`pdserve up` as a supervisor: a killed worker or Redis is restarted while the rest keeps
-serving, SIGTERM stops every child, and a crash loop backs off up to its cap."""
+serving, SIGTERM stops every child, and a crash loop backs off up to its cap; a shape that
+cannot serve is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from pdserve.launcher import RestartPolicy, Restarts
+from pdserve.launcher import ClusterShapeError, RestartPolicy, Restarts, check_shape
+from pdserve.phase import PHASES
 from pdserve.redis_server import free_port
 from pdserve.registry import Registry
 from tests.waiting import wait_until
@@ -142,6 +144,19 @@ def registered(up: Up) -> dict[str, str]:
         return {}
 
 
+def test_start_up_progress_shows_every_process_reaching_ready(up):
+    # Not a terminal: one line per phase change, before the banner.
+    seen: dict[str, list[str]] = {}
+    for line in up.output().split("pdserve is up")[0].splitlines():
+        name, phase = re.fullmatch(r"(\S+): (\w+) \(\d+ s\)", line).groups()
+        seen.setdefault(name, []).append(phase)
+    assert set(seen) == {"redis", "router", "prefill-0", "prefill-1", "decode-0"}
+    for name, phases in seen.items():  # a poll may miss a short phase, never reorder them
+        assert phases[-1] == "ready", (name, phases)
+        assert phases == sorted(set(phases), key=PHASES.index), (name, phases)
+    assert "warming" not in {p for phases in seen.values() for p in phases}  # --no-warmup
+
+
 def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expected_text):
     before = up.children()
     assert set(before) == {"redis", "router", "prefill-0", "prefill-1", "decode-0"}
@@ -254,3 +269,41 @@ def test_restart_backoff_doubles_in_a_crash_loop_up_to_its_cap(uptimes_s, delays
         restarts.restarted(now_s)
     assert delays == delays_s
     assert restarts.num_restarts == len(uptimes_s)
+
+
+def test_up_refuses_decode_workers_without_a_prefill_worker_before_starting_anything():
+    # It used to wait, silent, for a router that could never become healthy.
+    command = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "0", "--decode", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert done.stderr == (
+        "pdserve up: decode workers need a prefill worker: add --prefill 1, or serve with "
+        "--aggregated 1 --decode 0\n"
+    )
+    assert done.stdout == ""  # no banner, no progress: nothing was started
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((-1, 1, 0), "--prefill -1: a worker count cannot be negative; use 0 or more"),
+        ((1, -2, 0), "--decode -2: a worker count cannot be negative; use 0 or more"),
+        ((1, 1, -1), "--aggregated -1: a worker count cannot be negative; use 0 or more"),
+        ((0, 0, 0), "no workers: add --prefill 1 --decode 1, or --aggregated 1"),
+        ((0, 2, 1), "decode workers need a prefill worker: add --prefill 1, or --decode 0 to "
+                    "serve with the aggregated workers only"),
+        ((1, 0, 0), "prefill workers need a decode worker: add --decode 1, or serve with "
+                    "--aggregated 1 --prefill 0"),
+        ((2, 0, 1), "prefill workers need a decode worker: add --decode 1, or --prefill 0 to "
+                    "serve with the aggregated workers only"),
+    ],
+)  # fmt: skip
+def test_shapes_that_cannot_serve_are_refused_with_the_fix(shape, message):
+    with pytest.raises(ClusterShapeError) as refused:
+        check_shape(*shape)
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 0), (2, 1, 0), (0, 0, 1), (1, 1, 1), (0, 0, 3)])
+def test_shapes_that_serve_pass(shape):
+    check_shape(*shape)
