@@ -16,9 +16,10 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
+from tests.waiting import wait_until
 from tests.workers.conftest import token_ids
 from tests.workers.faulty_worker import POISON
-from tests.workers.test_failures import LONG, wait_until
+from tests.workers.test_failures import LONG
 
 FAULTY = (sys.executable, "-m", "tests.workers.faulty_worker")
 SHORT_PROMPTS = [[100 + i, 200 + i, 300 + i, 400 + i, 500 + i] for i in range(3)]
@@ -39,7 +40,9 @@ def stub_of(worker) -> worker_pb2_grpc.DecodeStub:
 def assert_idle(cluster: Cluster, *workers) -> None:
     """Every block free again, on every worker kind, and none quarantined."""
     for worker in workers:
-        wait_until(lambda w=worker: _is_idle(cluster, w), timeout_s=120)
+        wait_until(
+            lambda w=worker: _is_idle(cluster, w), timeout_s=120, message="the worker went idle"
+        )
         assert worker.metric("pdserve_kv_blocks_quarantined") == 0
         assert worker.process.poll() is None, f"{worker.worker_id} died"
 
@@ -138,7 +141,11 @@ def test_a_stopped_prefill_worker_costs_the_request_its_deadline_not_forever(bac
         decode = cluster.start("decode", "--prefill-timeout-s", "6")
         stub = stub_of(decode)
         call = stub.Generate(decode_request(LONG[:2000], prefill, max_tokens=4), timeout=300)
-        wait_until(lambda: prefill.metric("pdserve_prefill_queued_tokens") > 0)
+        wait_until(
+            lambda: prefill.metric("pdserve_prefill_queued_tokens") > 0,
+            timeout_s=60,
+            message="the prefill worker queued the prompt",
+        )
         prefill.process.send_signal(signal.SIGSTOP)
         try:
             with pytest.raises(grpc.RpcError) as failure:
