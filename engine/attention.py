@@ -207,6 +207,53 @@ class PrefillSegment:
     block_table: torch.Tensor  # [num_blocks_of_request] int64
 
 
+def plan_prefills(layout: StepLayout, device: torch.device) -> list[PrefillSegment]:
+    """The step's prompt chunks (every request that is not a single-token decode)."""
+    segments = []
+    for i, start in enumerate(layout.query_starts):
+        if not layout.is_decode(i):
+            n, context = layout.query_lens[i], layout.context_lens[i]
+            table = to_device(layout.block_tables[i], device)
+            segments.append(PrefillSegment(start, start + n, context - n, table))
+    return segments
+
+
+def decode_rows(layout: StepLayout) -> list[int]:
+    """Indices of the step's requests that are single-token decodes."""
+    return [i for i in range(layout.num_requests) if layout.is_decode(i)]
+
+
+def attend_prefills(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    prefills: list[PrefillSegment],
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+) -> None:
+    """SDPA over each prompt chunk, one at a time, written into out's rows for it."""
+    for seg in prefills:
+        n = seg.token_end - seg.token_start
+        # SDPA's fast CPU kernel takes 4-D [batch, heads, tokens, dim] only; 3-D input falls
+        # back to the unfused math path (5x slower at 1,024 tokens).
+        q_seg = _heads_first(q[seg.token_start : seg.token_end])
+        if seg.context_start == 0:
+            # Whole context is this chunk: attend to the fresh K/V, plain causal mask.
+            k = _heads_first(new_k[seg.token_start : seg.token_end])
+            v = _heads_first(new_v[seg.token_start : seg.token_end])
+            o = F.scaled_dot_product_attention(q_seg, k, v, is_causal=True, enable_gqa=True)
+        else:
+            total = seg.context_start + n
+            k, v = gather_kv(layer_cache, seg.block_table, total, q.dtype)
+            # Bottom-right causal: query i sits at position context_start + i.
+            rows = torch.arange(n, device=q.device).unsqueeze(1) + seg.context_start
+            mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(
+                q_seg, _heads_first(k), _heads_first(v), attn_mask=mask, enable_gqa=True
+            )
+        out[seg.token_start : seg.token_end] = o[0].transpose(0, 1)
+
+
 @dataclass(frozen=True, slots=True)
 class SDPAPlan:
     prefills: list[PrefillSegment]
@@ -218,39 +265,31 @@ class SDPAPlan:
 
 class TorchSDPABackend(AttentionBackend):
     """Prefill segments one at a time; all decode tokens of the step in one padded SDPA call.
-    Decode gathers each request's blocks: exact everywhere, the fallback on CUDA."""
+    Decode gathers each request's blocks: exact everywhere, the fallback on CUDA and on a CPU
+    where the in-place decode kernel cannot be built (engine/cpu_paged_backend.py)."""
 
     name = "sdpa"
 
     def plan(self, layout: StepLayout) -> SDPAPlan:
         device, bs = self.spec.device, self.spec.block_size
-        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
-        for i, start in enumerate(layout.query_starts):
-            table, context = layout.block_tables[i], layout.context_lens[i]
-            if layout.is_decode(i):
-                decode_rows.append(start)
-                decode_tables.append(table)
-                decode_lens.append(context)
-            else:
-                n = layout.query_lens[i]
-                segment = PrefillSegment(start, start + n, context - n, to_device(table, device))
-                prefills.append(segment)
+        prefills, decodes = plan_prefills(layout, device), decode_rows(layout)
+        decode_tables = [layout.block_tables[i] for i in decodes]
         max_blocks = max((len(t) for t in decode_tables), default=0)
         # Padding points at block 0; the mask hides it.
         tables = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
         mask = None
-        if decode_rows:
-            lens = torch.tensor(decode_lens, dtype=torch.long)
+        if decodes:
+            lens = torch.tensor([layout.context_lens[i] for i in decodes], dtype=torch.long)
             mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
             mask = to_device(mask[:, None, None, :], device)
         return SDPAPlan(
             prefills=prefills,
-            decode_token_ids=to_device(decode_rows, device),
+            decode_token_ids=to_device([layout.query_starts[i] for i in decodes], device),
             decode_block_tables=to_device(tables, device)
             if tables
             else torch.empty(0, 0, dtype=torch.long, device=device),
             decode_mask=mask,
-            num_decodes=len(decode_rows),
+            num_decodes=len(decodes),
         )
 
     def forward(self, q, layer_cache, plan, new_k, new_v):
@@ -263,26 +302,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def _attend(self, q, layer_cache, plan, new_k, new_v):
         out = torch.empty_like(q)
-        for seg in plan.prefills:
-            n = seg.token_end - seg.token_start
-            # SDPA's fast CPU kernel takes 4-D [batch, heads, tokens, dim] only; 3-D input falls
-            # back to the unfused math path (5x slower at 1,024 tokens).
-            q_seg = _heads_first(q[seg.token_start : seg.token_end])
-            if seg.context_start == 0:
-                # Whole context is this chunk: attend to the fresh K/V, plain causal mask.
-                k = _heads_first(new_k[seg.token_start : seg.token_end])
-                v = _heads_first(new_v[seg.token_start : seg.token_end])
-                o = F.scaled_dot_product_attention(q_seg, k, v, is_causal=True, enable_gqa=True)
-            else:
-                total = seg.context_start + n
-                k, v = gather_kv(layer_cache, seg.block_table, total, q.dtype)
-                # Bottom-right causal: query i sits at position context_start + i.
-                rows = torch.arange(n, device=q.device).unsqueeze(1) + seg.context_start
-                mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
-                o = F.scaled_dot_product_attention(
-                    q_seg, _heads_first(k), _heads_first(v), attn_mask=mask, enable_gqa=True
-                )
-            out[seg.token_start : seg.token_end] = o[0].transpose(0, 1)
+        attend_prefills(out, q, layer_cache, plan.prefills, new_k, new_v)
         if plan.num_decodes:
             # Gather K and V separately: each comes out as one copy, already [B, L, Hkv, D].
             tables = plan.decode_block_tables

@@ -1,4 +1,5 @@
-"""Which attention backend runs: a setting (auto, sdpa, flashinfer, flash_attn) and the device
+"""Which attention backend runs: a setting (auto, sdpa, cpu_paged, flashinfer, flash_attn) and the
+device
 -> a backend that passed its self-check (docs/engine.md). Apart from engine/attention.py, which
 the paged backends import for their base class, so the choice never makes a module cycle."""
 
@@ -10,6 +11,12 @@ from collections.abc import Callable
 from engine.attention import AttentionBackend, AttentionSpec, BackendUnusableError, TorchSDPABackend
 
 log = logging.getLogger(__name__)
+
+
+def _cpu_paged(spec: AttentionSpec) -> AttentionBackend:
+    from engine.cpu_paged_backend import CPUPagedBackend
+
+    return CPUPagedBackend(spec)
 
 
 def _flashinfer(spec: AttentionSpec) -> AttentionBackend:
@@ -24,11 +31,12 @@ def _flash_attn(spec: AttentionSpec) -> AttentionBackend:
     return FlashAttnBackend(spec)
 
 
-# auto tries these in order on CUDA; SDPA always works and ends the list.
-_CUDA_BACKENDS: dict[str, Callable[[AttentionSpec], AttentionBackend]] = {
-    "flashinfer": _flashinfer,
-    "flash_attn": _flash_attn,
+# auto tries these in order for the device's type; SDPA always works and ends each list.
+_PAGED_BACKENDS: dict[str, dict[str, Callable[[AttentionSpec], AttentionBackend]]] = {
+    "cuda": {"flashinfer": _flashinfer, "flash_attn": _flash_attn},
+    "cpu": {"cpu_paged": _cpu_paged},
 }
+_DEVICE_OF = {name: device for device, names in _PAGED_BACKENDS.items() for name in names}
 
 
 def select_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
@@ -37,17 +45,18 @@ def select_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
     if name == "sdpa":
         log.info("attention backend: sdpa (asked for by attention_backend=sdpa)")
         return TorchSDPABackend(spec)
-    if name in _CUDA_BACKENDS:
-        if spec.device.type != "cuda":
-            raise ValueError(f"attention_backend {name} needs a CUDA device, not {spec.device}")
-        backend = _CUDA_BACKENDS[name](spec)  # raises BackendUnusableError with its reason
+    if name in _DEVICE_OF:
+        device = _DEVICE_OF[name]
+        if spec.device.type != device:
+            raise ValueError(
+                f"attention_backend {name} needs a {device.upper()} device, not {spec.device}"
+            )
+        backend = _PAGED_BACKENDS[device][name](spec)  # raises BackendUnusableError: its reason
         log.info("attention backend: %s (asked for by attention_backend=%s)", name, name)
         return backend
-    if spec.device.type != "cuda":
-        log.info("attention backend: sdpa (device %s; paged kernels are CUDA-only)", spec.device)
-        return TorchSDPABackend(spec)
+    candidates = _PAGED_BACKENDS.get(spec.device.type, {})
     reasons = []
-    for candidate, make in _CUDA_BACKENDS.items():
+    for candidate, make in candidates.items():
         try:
             backend = make(spec)
         except (BackendUnusableError, ImportError) as e:
@@ -55,6 +64,9 @@ def select_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
             continue
         log.info("attention backend: %s (auto; first to load and pass its self-check)", candidate)
         return backend
+    if not candidates:
+        log.info("attention backend: sdpa (device %s has no paged kernel here)", spec.device)
+        return TorchSDPABackend(spec)
     log.warning(
         "attention backend: sdpa (auto fell back; it gathers blocks per decode step): %s",
         "; ".join(reasons),

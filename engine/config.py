@@ -6,13 +6,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from engine.errors import InvalidRequestError
 from engine.model_files import linear_weight_format
 
 DType = Literal["float32", "bfloat16", "float16"]
-AttentionBackendName = Literal["auto", "sdpa", "flashinfer", "flash_attn"]
+AttentionBackendName = Literal["auto", "sdpa", "cpu_paged", "flashinfer", "flash_attn"]
 # auto: the model's dtype; int8: engine/kv_quant.py (declared here: this module stays torch-free).
 KVCacheDtype = Literal["auto", "int8"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "int8")
@@ -135,9 +135,9 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", default_dtype(device))
-        if self.attention_backend not in ("auto", "sdpa", "flashinfer", "flash_attn"):
+        if self.attention_backend not in get_args(AttentionBackendName):
             raise InvalidRequestError(
-                "attention_backend must be auto, sdpa, flashinfer or flash_attn, got "
+                "attention_backend must be auto, sdpa, cpu_paged, flashinfer or flash_attn, got "
                 f"{self.attention_backend!r}"
             )
         if self.quantization == "auto":

@@ -164,7 +164,7 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("cuda_graphs", "PDSERVE_CUDA_GRAPHS", "Replay decode steps as CUDA graphs (CUDA).",
                EngineConfig),
         Option("attention_backend", "PDSERVE_ATTENTION_BACKEND",
-               "auto | flashinfer | flash_attn | sdpa.", EngineConfig),
+               "auto | cpu_paged | flashinfer | flash_attn | sdpa.", EngineConfig),
         Option("quantization", "PDSERVE_QUANTIZATION",
                "none | int8 | int4 (weight-only int8 / group-wise int4 linears; int4 CPU-only) | "
                "auto (int4 for a Q4_1 GGUF on the CPU, else none).",

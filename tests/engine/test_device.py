@@ -124,20 +124,30 @@ def test_weights_kv_cache_and_backend_live_on_the_cpu(llm):
     assert {t.device for t in runner.model.tensors()} == {torch.device("cpu")}
     assert {t.dtype for t in runner.model.tensors()} == {torch.float32}
     assert (runner.kv_cache.device, runner.kv_cache.dtype) == (torch.device("cpu"), torch.float32)
-    assert runner.attention.name == "sdpa"
+    assert runner.attention.name == "cpu_paged"  # decode reads the paged cache in place
     assert runner.graphs is None  # CUDA graphs are a no-op on the CPU
     info = "pdserve_engine_tensors_info"
     assert _sample(info, device="cpu", dtype="float32", tensor="weights") == 1.0
     assert _sample(info, device="cpu", dtype="float32", tensor="kv_cache") == 1.0
-    assert _sample("pdserve_engine_attention_info", backend="sdpa", cuda_graphs="off") == 1.0
+    assert _sample("pdserve_engine_attention_info", backend="cpu_paged", cuda_graphs="off") == 1.0
 
 
-def test_paged_backends_need_cuda():
+def test_each_paged_backend_needs_its_device():
     spec = AttentionSpec(9, 3, 64, 16, torch.bfloat16, torch.device("cpu"))
     for name in ("flashinfer", "flash_attn"):
         with pytest.raises(ValueError, match=f"^attention_backend {name} needs a CUDA device"):
             select_backend(name, spec)
+    assert select_backend("auto", spec).name == "cpu_paged"
+    on_cuda = AttentionSpec(9, 3, 64, 16, torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="^attention_backend cpu_paged needs a CPU device"):
+        select_backend("cpu_paged", on_cuda)
+
+
+def test_an_int8_cache_decodes_through_sdpa():
+    spec = AttentionSpec(9, 3, 64, 16, torch.float32, torch.device("cpu"), kv_quantized=True)
     assert select_backend("auto", spec).name == "sdpa"
+    with pytest.raises(BackendUnusableError, match="^reads a float KV cache"):
+        select_backend("cpu_paged", spec)
 
 
 class _OffByOne(TorchSDPABackend):
@@ -165,8 +175,9 @@ def test_static_decode_steps_match_eager_decode_and_pad_into_the_scratch_block(l
     runner = llm.engine.runner
     scratch = runner._kv_storage[runner.scratch_block]
     scratch.zero_()
+    sdpa = TorchSDPABackend(runner.attention.spec)  # the backend with a static (graph) plan
     graphs = DecodeGraphs(
-        runner.model, runner.attention, runner._kv_storage, (1, 4), max_blocks=64,
+        runner.model, sdpa, runner._kv_storage, (1, 4), max_blocks=64,
         block_size=runner.config.block_size, pad_block=runner.scratch_block, capture=False,
     )  # fmt: skip
     runner.graphs = graphs
@@ -202,7 +213,9 @@ def test_workers_given_cpu_hold_their_tensors_on_the_cpu_and_serve(cpu_workers, 
         info = "pdserve_engine_tensors_info"
         assert worker.metric(info, device="cpu", dtype="float32", tensor="weights") == 1.0
         assert worker.metric(info, device="cpu", dtype="float32", tensor="kv_cache") == 1.0
-        assert worker.metric("pdserve_engine_attention_info", backend="sdpa", cuda_graphs="off")
+        assert worker.metric(
+            "pdserve_engine_attention_info", backend="cpu_paged", cuda_graphs="off"
+        )
         assert worker.metric("pdserve_kv_transfer_memory_info", backend="tcp", memory="DRAM")
     prefill, decode = cpu_workers
     prompt = llm.tokenizer.encode(PROMPTS[0])

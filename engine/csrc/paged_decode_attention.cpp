@@ -1,0 +1,176 @@
+// Decode attention on the CPU over the paged KV cache, read in place.
+//
+// One query token per request. Each task is (request, chunk of the context): it walks the
+// chunk's blocks through the request's block table, scores each KV head's group of query heads
+// against the K rows where the cache holds them, and keeps an online softmax (running max, sum
+// and weighted V) per query head in float. A second pass merges the chunks of each head. Every K and V byte
+// of the context is read once; nothing is gathered, masked or padded, so the cost of a step
+// follows its context's bytes. Splitting the context into chunks keeps both cores busy when a
+// single request is decoding.
+//
+// cache: one layer's view [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim]; the page
+// stride is free (the real cache is block-major over all layers), the rest is contiguous.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Context tokens per task: a request at 2,048 tokens makes 32 tasks, enough to keep every core
+// streaming memory; each task reads whole blocks (all KV heads), front to back.
+constexpr int64_t kChunkTokens = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+inline void add_scaled(float* acc, float a, const T* v, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * static_cast<float>(v[i]);
+}
+
+inline void scale(float* x, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= a;
+}
+
+// Partial softmax states of every task: max, sum and the weighted V rows of its query heads.
+struct Partials {
+  std::vector<float> max, sum, acc;
+  Partials(int64_t tasks, int64_t group, int64_t head_dim)
+      : max(tasks * group, kNegInf), sum(tasks * group, 0.f), acc(tasks * group * head_dim, 0.f) {}
+};
+
+template <typename T>
+void attend(const at::Tensor& q_scaled, const at::Tensor& cache, const at::Tensor& tables,
+            const at::Tensor& lens, at::Tensor& out) {
+  const int64_t batch = q_scaled.size(0), heads = q_scaled.size(1), dim = q_scaled.size(2);
+  const int64_t block = cache.size(2), kv_heads = cache.size(3), group = heads / kv_heads;
+  const int64_t page = cache.stride(0), v_offset = cache.stride(1), row = cache.stride(2);
+  const int64_t width = tables.size(1);
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const float* q = q_scaled.data_ptr<float>();
+  const T* base = cache.data_ptr<T>();
+
+  const int64_t longest = *std::max_element(len, len + batch);
+  const int64_t chunks = std::max<int64_t>(1, (longest + kChunkTokens - 1) / kChunkTokens);
+  const int64_t tasks = batch * chunks;
+  Partials part(tasks, heads, dim);
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, first = (task % chunks) * kChunkTokens;
+      const int64_t last = std::min<int64_t>(len[b], first + kChunkTokens);
+      for (int64_t t = first; t < last;) {
+        const int64_t offset = t % block, n = std::min(block - offset, last - t);
+        // The block's K rows, then its V rows: each one contiguous run of memory.
+        const T* k_block = base + table[b * width + t / block] * page + offset * row;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* k = k_block + h * dim;
+          const T* v = k + v_offset;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t head = h * group + g;
+            const float* qh = q + (b * heads + head) * dim;
+            float block_max = kNegInf;
+            for (int64_t j = 0; j < n; ++j) {
+              scores[j] = dot(qh, k + j * row, dim);
+              block_max = std::max(block_max, scores[j]);
+            }
+            const int64_t state = task * heads + head;
+            float* acc = part.acc.data() + state * dim;
+            const float new_max = std::max(part.max[state], block_max);
+            const float rescale = std::exp(part.max[state] - new_max);  // 0 while still empty
+            part.sum[state] *= rescale;
+            scale(acc, rescale, dim);
+            // exp over the block's scores in one vector loop (libmvec: -fno-math-errno).
+            float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+            for (int64_t j = 0; j < n; ++j) {
+              scores[j] = std::exp(scores[j] - new_max);
+              block_sum += scores[j];
+            }
+            part.sum[state] += block_sum;
+            for (int64_t j = 0; j < n; ++j) add_scaled(acc, scores[j], v + j * row, dim);
+            part.max[state] = new_max;
+          }
+        }
+        t += n;
+      }
+    }
+  });
+
+  // Merge each query head's chunks: weights exp(chunk max - overall max).
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, head = bh % heads;
+      auto state_of = [&](int64_t c) { return (b * chunks + c) * heads + head; };
+      float overall = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) overall = std::max(overall, part.max[state_of(c)]);
+      float total = 0.f;
+      float* out_row = o + bh * dim;
+      std::fill(out_row, out_row + dim, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t state = state_of(c);
+        if (part.sum[state] == 0.f) continue;  // a chunk past this request's context
+        const float w = std::exp(part.max[state] - overall);
+        total += w * part.sum[state];
+        add_scaled(out_row, w, part.acc.data() + state * dim, dim);
+      }
+      scale(out_row, 1.f / total, dim);
+    }
+  });
+}
+
+}  // namespace
+
+// q: [batch, heads, head_dim]; tables: [batch, width] int32 block ids, each row valid up to its
+// length's blocks; lens: [batch] int32 context lengths (>= 1). Returns [batch, heads, head_dim]
+// in q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
+                                  const at::Tensor& tables, const at::Tensor& lens) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && tables.dim() == 2 && lens.dim() == 1,
+              "q [B, H, D], cache [blocks, 2, block_size, Hkv, D], tables [B, W], lens [B]");
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
+              "block tables and lengths are int32");
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "contiguous tables and lengths");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(cache.size(1) == 2 && cache.size(4) == dim && heads % cache.size(3) == 0,
+              "cache shape does not match the queries");
+  TORCH_CHECK(cache.stride(4) == 1 && cache.stride(3) == dim &&
+                  cache.stride(2) == cache.size(3) * dim &&
+                  cache.stride(1) == cache.size(2) * cache.stride(2),
+              "each block of the layer view must be contiguous");
+  TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one table and length a row");
+  auto out = at::empty({batch, heads, dim}, q.options().dtype(at::kFloat));
+  if (batch == 0) return out.to(q.scalar_type());
+  // Softmax scale folded into the queries, once per call instead of once per key.
+  const auto q_scaled = q.to(at::kFloat).mul(1.0 / std::sqrt(static_cast<double>(dim))).contiguous();
+  switch (cache.scalar_type()) {
+    case at::kFloat: attend<float>(q_scaled, cache, tables, lens, out); break;
+    case at::kBFloat16: attend<c10::BFloat16>(q_scaled, cache, tables, lens, out); break;
+    case at::kHalf: attend<c10::Half>(q_scaled, cache, tables, lens, out); break;
+    default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16 or float16");
+  }
+  return out.to(q.scalar_type());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over the paged KV cache, read in place (CPU)");
+}
