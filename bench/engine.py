@@ -16,8 +16,13 @@ Prints tables, then one JSON line (the last line of stdout):
  "decode_int8_kv_vs_hf_fp32": {"1": r, "32": r}, "decode_int8_kv_tokens_per_s": {...},
  "decode_int8_kv_vs_engine_fp32": {"1": r, "32": r} (the fp32 engine with an int8 KV cache),
  "kv_bytes_per_token": {"float32": n, "bfloat16": n, "int8": n}, "read_bandwidth_gb_s": x,
- "decode_b1_fraction_of_bandwidth_bound": {"float32": {...}, "int8": {...}, "int4": {...}}}
---decode-only skips prefill; --no-int8 / --no-int4 / --no-int8-kv skip those points.
+ "decode_b1_fraction_of_bandwidth_bound": {"float32": {...}, "int8": {...}, "int4": {...}},
+ "decode_ms_per_token_by_context": {"1": {"16": ms, "256": ms, "1024": ms, "2048": ms},
+ "32": {...}}, "decode_context_setup": {"quantization": q, "attention": backend},
+ "decode_b1_context_fraction_of_bytes_bound": {"16": f, ...}, "decode_context_2048_vs_16":
+ {"1": r, "32": r}}
+--decode-only skips prefill; --no-int8 / --no-int4 / --no-int8-kv / --no-context skip those
+points.
 
 How each number is made. Both systems run in the same process, one after the other, alternating
 which goes first, so that load from other processes hits them alike; each number is the best
@@ -30,6 +35,10 @@ which goes first, so that load from other processes hits them alike; each number
   (timing t(G) - t(1) instead subtracts two noisy runs, which on a shared machine can go
   negative). Engine: its own step loop; HF: batched model.generate, greedy, EOS off, with a
   streamer that notes the first token's time.
+- decode by context: the engine as a user gets it here (quantization auto, the default
+  attention backend), B prompts of context - 1 tokens, then G - 1 timed steps: ms per step, which
+  is each request's time per output token. Its bytes bound at batch 1 is (the step's weight bytes
+  + context x KV bytes per token) / read bandwidth; the fraction is bound / measured.
 - roof: F.linear of [2048, 2048] by a [2048, 2048] weight, the [out, in] layout every layer uses.
 - model FLOPs from config.json: 2 * (matmul weights of the layers) per token, one lm_head row,
   and causal attention 4 * layers * heads * head_dim * n(n+1)/2 (QK^T and PV over the keys each
@@ -105,6 +114,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "int4": {"quantization": "int4"},
     "int8_kv": {"kv_cache_dtype": "int8"},
 }
+# Decode by context: the engine's default quantization, step time at each context length.
+DECODE_CONTEXTS = (16, 256, 1024, 2048)
+CONTEXT_BATCHES = (1, 32)
 BANDWIDTH_BYTES = 512 * 2**20  # well past the last-level cache: every read comes from DRAM
 BANDWIDTH_REPEATS = 5
 
@@ -260,20 +272,7 @@ class Systems:
     def engine_decode_s(
         self, prompts: list[list[int]], num_new: int, around: Around = nullcontext
     ) -> float:
-        """Seconds of the num_new - 1 steps after every prompt has its first token."""
-        engine = self.llm.engine
-        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
-        requests = [engine.add_request(f"bench-{next(_request_ids)}", p, params) for p in prompts]
-        while any(r.num_output_tokens == 0 for r in requests):
-            engine.step()
-        gc.collect()
-        with around():
-            first_token_s = time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
-            seconds = time.perf_counter() - first_token_s
-        assert all(r.num_output_tokens == num_new for r in requests)
-        return seconds
+        return engine_decode_s(self.llm, prompts, num_new, around)
 
     @torch.inference_mode()
     def hf_prefill_s(self, prompt: list[int]) -> float:
@@ -311,6 +310,25 @@ class Systems:
         self.engine_decode_s([prompt], 3)
         self.hf_prefill_s(prompt)
         self.hf_decode_s([prompt], 3)
+
+
+def engine_decode_s(
+    llm: LLM, prompts: list[list[int]], num_new: int, around: Around = nullcontext
+) -> float:
+    """Seconds of the num_new - 1 steps after every prompt has its first token."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(f"bench-{next(_request_ids)}", p, params) for p in prompts]
+    while any(r.num_output_tokens == 0 for r in requests):
+        engine.step()
+    gc.collect()
+    with around():
+        first_token_s = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        seconds = time.perf_counter() - first_token_s
+    assert all(r.num_output_tokens == num_new for r in requests)
+    return seconds
 
 
 class _FirstTokenClock:
@@ -444,6 +462,54 @@ def add_quantized_decode_keys(
     ):  # fmt: skip
         if value is not None:
             checks[name] = {"value": value, "target": target, "met": value >= target}
+
+
+def bench_decode_by_context(
+    args: argparse.Namespace, flops: FlopModel, bandwidth: float, vocab: int
+) -> dict:
+    """Decode step time (each request's time per output token) at each context length and
+    batch, for the engine's default quantization here, and batch 1 against its bytes bound:
+    (weight bytes + the context's KV bytes) / read bandwidth."""
+    batches, contexts = args.context_batches, args.contexts
+    longest = max(contexts) + args.new_tokens
+    num_blocks = int(max(batches) * -(-longest // BLOCK_SIZE) / KV_WATERMARK) + 1
+    llm = LLM(
+        model=MODEL, dtype="float32", chunk_size=max(PREFILL_SIZES), num_blocks=num_blocks,
+        num_threads=args.threads, enable_prefix_caching=False, quantization="auto",
+        max_num_seqs=max(batches),
+    )  # fmt: skip
+    quantization = llm.engine.config.quantization
+    attention = llm.engine.runner.attention.name
+    engine_decode_s(llm, random_prompts(1, 32, vocab, seed=7), 3)  # warm-up
+    ms: dict[str, dict[str, float]] = {}
+    for batch in batches:
+        for context in contexts:
+            # Prompts of context - 1 tokens: the timed steps run at context .. context + G - 2.
+            prompts = random_prompts(batch, max(1, context - 1), vocab, seed=context + batch)
+            repeats = args.repeats if batch == 1 else 1  # a batch of long prompts: one round
+            (seconds,) = best_times(
+                [partial(engine_decode_s, llm, prompts, args.new_tokens)], repeats, args.budget_s
+            )
+            step_ms = seconds / (args.new_tokens - 1) * 1e3
+            ms.setdefault(str(batch), {})[str(context)] = round(step_ms, 2)
+            print(f"  decode batch {batch:>3} at context {context:>5}: {step_ms:7.2f} ms/token")
+    kv_bytes = flops.kv_bytes_per_token()["float32"]
+    weights = flops.decode_weight_bytes(quantization)
+    fraction = {
+        c: round((weights + int(c) * kv_bytes) / (bandwidth * 1e9) * 1e3 / t, 3)
+        for c, t in ms.get("1", {}).items()
+    }
+    first, last = str(min(contexts)), str(max(contexts))
+    del llm
+    gc.collect()
+    return {
+        "decode_ms_per_token_by_context": ms,
+        "decode_context_setup": {"quantization": quantization, "attention": attention},
+        "decode_b1_context_fraction_of_bytes_bound": fraction,
+        f"decode_context_{last}_vs_{first}": {
+            b: round(r[last] / r[first], 3) for b, r in ms.items()
+        },
+    }
 
 
 # ---- reporting ------------------------------------------------------------------------------
@@ -638,6 +704,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--profile", action="store_true", help="profile the engine instead of benchmarking"
     )
+    parser.add_argument(
+        "--contexts", nargs="+", type=int, default=list(DECODE_CONTEXTS),
+        help="decode step time at these context lengths (default quantization)",
+    )  # fmt: skip
+    parser.add_argument("--context-batches", nargs="+", type=int, default=list(CONTEXT_BATCHES))
+    parser.add_argument("--no-context", dest="context", action="store_false",
+                        help="skip the decode-by-context points")  # fmt: skip
     parser.add_argument("--profile-tokens", type=int, default=1024)
     parser.add_argument("--profile-batch", type=int, default=32)
     parser.add_argument("--profile-rows", type=int, default=20)
@@ -727,6 +800,9 @@ def main() -> None:
     bandwidth = max(bandwidth, measure_read_bandwidth())
     summary = summarize(roof, prefill, decode, flops, setup)
     add_quantized_decode_keys(summary, decode, quantized, flops, bandwidth)
+    if args.context:
+        print("decode by context (default quantization):", flush=True)
+        summary.update(bench_decode_by_context(args, flops, bandwidth, vocab))
     print_tables(summary)
     summary["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     print(f"({summary['setup']['seconds']} s, load average {summary['setup']['load_average']})")
