@@ -61,7 +61,7 @@ def int8_llm():
 
 @pytest.fixture(scope="module")
 def int8_kv_llm():
-    return LLM(num_threads=2, kv_cache_dtype="int8")
+    return LLM(num_threads=2, kv_cache_dtype="int8", quantization="none")  # fp32 weights
 
 
 @pytest.fixture(scope="module")
