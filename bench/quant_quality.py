@@ -143,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    llm = LLM(num_threads=args.threads)
+    llm = LLM(num_threads=args.threads, quantization="none")  # the fp32 reference
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     reference, margins = greedy_continuations(llm, prompts)
     expected = [t for cont in reference for t in cont]
@@ -178,7 +178,8 @@ def main() -> None:
         with rounded_kv(rounding):
             measure(name, llm)
     measure("KV int8, rotated rows (the engine's)", LLM(num_threads=args.threads,
-                                                        kv_cache_dtype="int8"))  # fmt: skip
+                                                        kv_cache_dtype="int8",
+                                                        quantization="none"))  # fmt: skip
     summary = {
         "positions": len(expected),
         "fp32_positions_with_margin_below": {

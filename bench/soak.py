@@ -16,7 +16,8 @@ body, an in-band SSE error event, or a gRPC status other than UNKNOWN), and none
 --request-timeout-s. A client that got a clean error pauses (Retry-After, else 1 s) before its
 next request, as a real one would, instead of spending the workload on a burst of instant 503s
 while the cluster recovers; each error still counts. Completed greedy requests are compared
-with the single-process engine (engine.LLM, same model, fp32, computed before the soak): gRPC
+with the single-process engine (engine.LLM, same model, fp32 activations and the workers'
+--quantization, default auto: what users get; computed before the soak): gRPC
 token by token, HTTP by text, finish reason and completion-token count. Once the load is over
 and the workers idle, every worker's KV blocks are read from its /metrics: a block still in use
 is leaked.
@@ -118,6 +119,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--cores", type=int, default=2, help="divided among the workers")
     parser.add_argument("--kv-backend", default="auto")
+    parser.add_argument("--quantization", default="auto", help="workers and the reference")
     parser.add_argument("--min-tokens", type=int, default=16, help="max_tokens, low end")
     parser.add_argument("--max-tokens", type=int, default=48, help="max_tokens, high end")
     parser.add_argument("--greedy-fraction", type=float, default=0.8)
@@ -154,13 +156,13 @@ def workload(args: argparse.Namespace, words: list[int]) -> list[Job]:
     return jobs
 
 
-def references(jobs: list[Job], threads: int) -> dict[int, Reference]:
+def references(jobs: list[Job], threads: int, quantization: str) -> dict[int, Reference]:
     """The single-process engine's outputs for the greedy jobs, in one batch (batched == alone,
     as tests/engine asserts)."""
     from engine import LLM, SamplingParams
 
     greedy = [j for j in jobs if j.is_greedy]
-    llm = LLM(dtype="float32", num_threads=threads)
+    llm = LLM(dtype="float32", num_threads=threads, quantization=quantization)
     params = [SamplingParams(max_tokens=j.max_tokens, temperature=0, ignore_eos=j.ignore_eos)
               for j in greedy]  # fmt: skip
     outputs = llm.generate([j.prompt_token_ids for j in greedy], params)
@@ -512,12 +514,12 @@ def main() -> None:
     tokenizer = TextTokenizer.load(resolve_model("smollm2-135m"))
     jobs = workload(args, word_ids(tokenizer))
     started = time.monotonic()
-    refs = references(jobs, args.ref_threads)  # before the workers take the cores
+    refs = references(jobs, args.ref_threads, args.quantization)  # before the workers start
     print(f"{len(refs)} engine references in {time.monotonic() - started:.0f} s", flush=True)
     spec = ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, kv_backend=args.kv_backend,
         num_cores=args.cores, warmup=False, http_port=0, grpc_port=0,
-        router_args=("--log-level", "warning"),
+        router_args=("--log-level", "warning"), worker_args=("--quantization", args.quantization),
     )  # fmt: skip
     cluster = LocalCluster(spec).start()
     cluster.watch(lambda line: print(f"  [launcher] {line.splitlines()[0]}", flush=True))

@@ -121,11 +121,13 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     # Decode steps replay CUDA graphs (CUDA only; on the CPU this setting does nothing).
     cuda_graphs: bool = True
-    # "int8" / "int4": weight-only int8 / group-wise int4 linear layers (engine.quantization;
-    # docs/engine.md has what each costs in quality and buys in speed; int4 is CPU-only).
-    # "none" keeps the weights in dtype. "auto": the model file's own 4-bit codes where they
-    # can be kept exactly (a Q4_1 GGUF on the CPU: int4), else "none"; resolved below.
-    quantization: str = "none"
+    # "auto" (the default): the model file's own 4-bit codes where they can be kept exactly (a
+    # Q4_1 GGUF on the CPU, the bundled model's case: int4), else "none"; resolved below, so a
+    # config's readers see the scheme that runs. "none" keeps the weights in dtype (the fp32
+    # path the exactness tests name); "int8" / "int4": weight-only int8 / group-wise int4
+    # linear layers (engine.quantization; docs/engine.md has what each costs in quality and
+    # buys in speed; int4 is CPU-only).
+    quantization: str = "auto"
     # "int8": the KV cache holds int8 values with one scale per token and head (engine/kv_quant.py,
     # a quarter of fp32's bytes); "auto" keeps it in dtype. Prefill and decode workers must agree.
     kv_cache_dtype: KVCacheDtype = "auto"

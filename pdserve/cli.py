@@ -166,8 +166,8 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("attention_backend", "PDSERVE_ATTENTION_BACKEND",
                "auto | cpu_paged | flashinfer | flash_attn | sdpa.", EngineConfig),
         Option("quantization", "PDSERVE_QUANTIZATION",
-               "none | int8 | int4 (weight-only int8 / group-wise int4 linears; int4 CPU-only) | "
-               "auto (int4 for a Q4_1 GGUF on the CPU, else none).",
+               "auto (int4 for a Q4_1 GGUF on the CPU, else none) | none (the weights in dtype: "
+               "fp32 on the CPU) | int8 | int4 (weight-only int8 / group-wise int4; CPU-only).",
                EngineConfig),
         Option("kv_cache_dtype", "PDSERVE_KV_CACHE_DTYPE",
                "auto (the model's dtype) | int8 (per-token scales; prefill and decode must agree).",

@@ -19,7 +19,13 @@ import numpy as np
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelConfig
 from engine.model_files import resolve_model
-from sim.costs import LOCAL_COEFFICIENTS, LocalCoefficients, StepShape, kv_bytes_per_token
+from sim.costs import (
+    FITTED_QUANTIZATION,
+    LOCAL_COEFFICIENTS,
+    LocalCoefficients,
+    StepShape,
+    kv_bytes_per_token,
+)
 
 FEATURES = ("overhead_s", "per_prefill_token_s", "per_attention_pair_s", "per_decode_s",
             "per_decode_context_s")  # fmt: skip
@@ -36,7 +42,8 @@ def features(shape: StepShape) -> list[float]:
 
 def measure(threads: int) -> list[tuple[StepShape, float]]:
     engine = LLMEngine(EngineConfig(num_threads=threads, chunk_size=512, num_blocks=512,
-                                    enable_prefix_caching=False))  # fmt: skip
+                                    enable_prefix_caching=False,
+                                    quantization=FITTED_QUANTIZATION))  # fmt: skip
     runner = engine.runner
     execute = runner.execute
     shapes: list[StepShape] = []

@@ -18,6 +18,9 @@ from engine.config import ModelConfig
 from engine.scheduler import ScheduledRequest
 
 LOCAL_COEFFICIENTS = Path(__file__).with_name("local_cpu.json")
+# The weights the real engine ran when local_cpu.json was fitted: the fp32 path, not the CPU
+# default (int4). Calibration and validation run the same, so a fit is compared with its engine.
+FITTED_QUANTIZATION = "none"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from engine import EngineConfig
 from pdserve.lengths import LengthBuckets
 from router.settings import AdmissionSettings, RoutingSettings
 from sim.cluster import ClusterConfig, Record
-from sim.costs import LocalCoefficients, LocalCost
+from sim.costs import FITTED_QUANTIZATION, LocalCoefficients, LocalCost
 from sim.scenario import Scenario, simulate
 from sim.worker import CoreShare, WorkerSpec
 from sim.workload import ClosedLoop, LengthMix, RequestSource, SimRequest
@@ -108,7 +108,8 @@ def probe_slowdown() -> float:
     from sim.costs import StepShape
 
     cost = LocalCost(LocalCoefficients.load())
-    engine = LLMEngine(EngineConfig(num_threads=1, num_blocks=256, enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(num_threads=1, num_blocks=256, enable_prefix_caching=False,
+                                    quantization=FITTED_QUANTIZATION))  # fmt: skip
     execute, shapes = engine.runner.execute, []
     engine.runner.execute = lambda batch: (shapes.append(StepShape.of(batch)), execute(batch))[1]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -133,6 +134,7 @@ def measure(num_prefill: int, num_decode: int, items: list[SimRequest], log_dir:
 
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, kv_backend="tcp",
                        http_port=0, grpc_port=0, warmup=False, router_args=router_args(),
+                       worker_args=("--quantization", FITTED_QUANTIZATION),
                        log_dir=log_dir / f"{num_prefill}p{num_decode}d")  # fmt: skip
     cluster = LocalCluster(spec).start()
     try:

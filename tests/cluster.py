@@ -59,6 +59,8 @@ def metric(metrics_url: str, name: str, **labels: str) -> float:
 class Cluster:
     kv_backend: str = "tcp"
     registry_ttl_s: float = 2.0
+    # The fp32 path: the tests compare the workers' tokens with the fp32 llm fixture's.
+    quantization: str = "none"
     extra_args: list[str] = field(default_factory=list)
     redis: RedisServer = field(default_factory=RedisServer)
     workers: list[WorkerProcess] = field(default_factory=list)
@@ -75,7 +77,8 @@ class Cluster:
             *program, role, "--redis-url", self.redis.url,
             "--port", "0", "--metrics-port", "0", "--threads", "1", "--worker-id", worker_id,
             "--kv-backend", self.kv_backend, "--registry-ttl-s", str(self.registry_ttl_s),
-            "--no-warmup", "--log-level", "warning", *self.extra_args, *args,
+            "--quantization", self.quantization, "--no-warmup", "--log-level", "warning",
+            *self.extra_args, *args,
         ]  # fmt: skip
         worker = WorkerProcess(role, worker_id, subprocess.Popen(command))
         self.workers.append(worker)

@@ -19,11 +19,12 @@ def model_dir():
 @pytest.fixture(scope="session")
 def llm():
     """One fp32 engine on the CPU shared by the tests that leave it idle (they assert they do).
-    The device is pinned: on a CUDA host auto would pick cuda in bfloat16, and the tests'
-    expected tokens are the CPU fp32 ones."""
+    The device and the weights are pinned: on a CUDA host auto would pick cuda in bfloat16, on
+    the CPU the default runs the GGUF's int4 codes, and the tests' expected tokens are the CPU
+    fp32 ones (HF's)."""
     from engine import LLM
 
-    return LLM(num_threads=2, device="cpu")
+    return LLM(num_threads=2, device="cpu", quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from pdserve.launcher import ClusterShapeError, RestartPolicy, Restarts, check_shape
 from pdserve.phase import PHASES
 from pdserve.redis_server import free_port
 from pdserve.registry import Registry
+from tests.cluster import metric
 from tests.waiting import wait_until
 
 PROMPT_IDS = [(37 * i) % 3000 + 200 for i in range(48)]
@@ -96,10 +97,11 @@ def _is_alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def expected_text(llm) -> str:
-    """The single-process engine's completion, before the cluster takes the cores."""
+def expected_text() -> str:
+    """The single-process engine's completion in the default configuration, as `up` starts its
+    workers (on the CPU: the GGUF's int4 codes), before the cluster takes the cores."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return llm.generate([PROMPT_IDS], params)[0].text
+    return LLM(num_threads=2, device="cpu").generate([PROMPT_IDS], params)[0].text
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +157,16 @@ def test_start_up_progress_shows_every_process_reaching_ready(up):
         assert phases[-1] == "ready", (name, phases)
         assert phases == sorted(set(phases), key=PHASES.index), (name, phases)
     assert "warming" not in {p for phases in seen.values() for p in phases}  # --no-warmup
+
+
+def test_workers_run_the_default_quantization(up):
+    """`up` names no --quantization: its workers run the default, the bundled GGUF's int4 codes
+    on the CPU."""
+    workers = [w for role in ("prefill", "decode") for w in Registry(up.redis_url).workers(role)]
+    assert len(workers) == 3
+    for worker in workers:
+        weights = {"device": "cpu", "dtype": "int4", "tensor": "weights"}
+        assert metric(worker.metrics_url, "pdserve_engine_tensors_info", **weights) == 1.0
 
 
 def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expected_text):

@@ -1,10 +1,12 @@
 """Weight-only int8 and int4 (--quantization int8 | int4): deterministic, batch-independent, and
-close to the fp32 engine's top-1 choice, teacher-forced over 12 prompts x 32 tokens."""
+close to the fp32 engine's top-1 choice, teacher-forced over 12 prompts x 32 tokens; auto, the
+default, is int4 for the bundled GGUF on the CPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +63,7 @@ def int8_llm():
 
 @pytest.fixture(scope="module")
 def int8_kv_llm():
-    return LLM(num_threads=2, kv_cache_dtype="int8")
+    return LLM(num_threads=2, kv_cache_dtype="int8", quantization="none")  # fp32 weights
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +192,19 @@ def test_auto_runs_the_q4_1_gguf_codes_on_the_cpu_and_nothing_else(int4_llm):
     int4_llm.engine.pool.reset_cache()
     expected = [o.token_ids for o in int4_llm.generate(PROMPTS[:4], params)]
     assert [o.token_ids for o in auto.generate(PROMPTS[:4], params)] == expected
+
+
+def test_the_default_runs_the_int4_engine_on_the_cpu(int4_llm):
+    """An engine given no quantization (auto, the default) on the bundled GGUF on the CPU
+    resolves to int4 and decodes the int4 engine's greedy tokens exactly."""
+    assert {f.name: f.default for f in fields(EngineConfig)}["quantization"] == "auto"
+    default = LLM(num_threads=2, device="cpu")
+    assert default.engine.config.quantization == "int4"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    int4_llm.engine.pool.reset_cache()
+    expected = [o.token_ids for o in int4_llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in default.generate(PROMPTS, params)] == expected
+    assert default.engine.pool.num_free_blocks == default.engine.pool.num_blocks
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -246,7 +246,7 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "PDSERVE_MODEL": "smollm2-135m",
         "PDSERVE_DTYPE": "auto",
         "PDSERVE_ATTENTION_BACKEND": "auto",
-        "PDSERVE_QUANTIZATION": "none",
+        "PDSERVE_QUANTIZATION": "auto",
         "PDSERVE_KV_CACHE_DTYPE": "auto",
         "PDSERVE_KV_BACKEND": "auto",
         "PDSERVE_PEER_FETCH": "true",

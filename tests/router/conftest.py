@@ -1,5 +1,6 @@
 """The router tests' cluster: `pdserve up` exactly as a user runs it (Redis, one prefill and
-one decode worker with a thread each, the router), stopped with Ctrl-C at the end."""
+one decode worker with a thread each, the router) but for the workers' fp32 weights, stopped
+with Ctrl-C at the end."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--no-warmup",
         "--kv-backend", "tcp", "--cores", "2",
         "--log-dir", str(tmp_path_factory.mktemp("pdserve-up")),
+        env={"PDSERVE_QUANTIZATION": "none"},  # the fp32 path: tests compare with the llm fixture
     ) as (_, redis_url):  # fmt: skip
         yield Cluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
 

@@ -20,8 +20,9 @@ from tests.cluster import Cluster
 from tests.waiting import wait_until
 
 # For `up`'s children: the router's short bucket (what a mixed cluster sends whole) and the
-# aggregated worker's prefill chunk, so the medium prompt is prefilled in four chunks.
-UP_ENV = {"PDSERVE_SHORT_BELOW": "64", "PDSERVE_CHUNK_SIZE": "128"}
+# aggregated worker's prefill chunk, so the medium prompt is prefilled in four chunks; the
+# fp32 weights of the reference engine (the llm fixture).
+UP_ENV = {"PDSERVE_SHORT_BELOW": "64", "PDSERVE_CHUNK_SIZE": "128", "PDSERVE_QUANTIZATION": "none"}
 NUM_TOKENS = 8
 SHORT = "The capital of France is"
 MEDIUM = " ".join(f"Crate {i} held {i * 7} apples." for i in range(40))  # ~400 tokens
