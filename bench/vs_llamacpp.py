@@ -344,7 +344,11 @@ def run_system(name: str, load: Load, threads: int, pdserve_args: list[str],
         startup_s = wait_serving(f"{target}/health", server, server_log, ready_line)
         log(f"{name} serving on {target} after {startup_s:.0f} s; guidellm: {load}")
         guidellm_log = work_dir / f"{name}-guidellm.log"
-        env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        # One load-generator process: asyncio drives every stream; its default (up to 10
+        # spawned processes) would take cores from the server under test.
+        env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # fmt: skip
+        log(f"load average before the load: {os.getloadavg()[0]:.2f}")
         run_logged(guidellm_command(python, target, load, report), f"guidellm against {name}",
                    guidellm_log, env=env)  # fmt: skip
     summary = summarize(json.loads(report.read_text()))
