@@ -2,9 +2,10 @@
 
 One run builds llama-server once (from the llama.cpp vendored in the llama-cpp-python sdist,
 Release, CPU only, cached under ~/.cache/pdserve), then, one system at a time so they never
-share the cores, starts each system on a free port, drives it with guidellm (synthetic
-prompts of --prompt-tokens tokens asking for --output-tokens, a concurrent profile of
---streams streams, --requests requests), and stops it (its whole process group).
+share the cores, starts each system on a free port, sends it one untimed warm-up request,
+drives it with guidellm (synthetic prompts of --prompt-tokens tokens asking for exactly
+--output-tokens, a concurrent profile of --streams streams, --requests requests), and stops it
+(its whole process group).
 
 llama-server gets one slot per stream (--parallel), a context of slots x (prompt + output +
 margin) tokens so every slot holds a whole request, and --threads threads (default: all cores,
@@ -310,6 +311,17 @@ def wait_serving(url: str, process: subprocess.Popen[bytes], log_path: Path,
     raise TimeoutError(f"{url} not serving after {STARTUP_TIMEOUT_S:.0f} s (log: {log_path})")
 
 
+def warm_up(target: str, load: Load) -> None:
+    """One untimed request of the load's size: llama-server's first request otherwise costs
+    several times a later one (pdserve's workers warm up before they register)."""
+    body = {"model": DEFAULT_MODEL, "prompt": "hello " * load.prompt_tokens,
+            "max_tokens": load.output_tokens, "ignore_eos": True}  # fmt: skip
+    started_s = time.monotonic()
+    response = httpx.post(f"{target}/v1/completions", json=body, timeout=STARTUP_TIMEOUT_S)
+    response.raise_for_status()
+    log(f"warm-up request: {time.monotonic() - started_s:.1f} s")
+
+
 def llama_server_command(binary: Path, port: int, load: Load, threads: int) -> list[str]:
     """One slot per stream, each holding a whole request."""
     gguf = gguf_source(DEFAULT_MODEL)
@@ -343,6 +355,7 @@ def run_system(name: str, load: Load, threads: int, pdserve_args: list[str],
     with process_group(command, server_log) as server:
         startup_s = wait_serving(f"{target}/health", server, server_log, ready_line)
         log(f"{name} serving on {target} after {startup_s:.0f} s; guidellm: {load}")
+        warm_up(target, load)
         guidellm_log = work_dir / f"{name}-guidellm.log"
         # One load-generator process: asyncio drives every stream; its default (up to 10
         # spawned processes) would take cores from the server under test.
