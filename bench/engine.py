@@ -232,7 +232,9 @@ def measure_read_bandwidth() -> float:
 
 
 def make_llm(dtype: str, threads: int, num_blocks: int, **variant: str) -> LLM:
-    """variant: quantization= and/or kv_cache_dtype= (VARIANTS)."""
+    """variant: quantization= and/or kv_cache_dtype= (VARIANTS). Without a quantization the
+    weights are the dequantized dtype ones (quantization none, not the CPU's int4 default):
+    the engine-vs-HF points compare the same arithmetic."""
     return LLM(
         model=MODEL,
         dtype=dtype,
@@ -240,7 +242,7 @@ def make_llm(dtype: str, threads: int, num_blocks: int, **variant: str) -> LLM:
         num_blocks=num_blocks,
         num_threads=threads,
         enable_prefix_caching=False,
-        **variant,
+        **{"quantization": "none", **variant},
     )
 
 
