@@ -258,8 +258,8 @@ ROUTER_OPTIONS = (
            AdmissionSettings),
     Option("max_queued_requests", "PDSERVE_MAX_QUEUED_REQUESTS", None, AdmissionSettings),
     Option("ttft_slo_s", "PDSERVE_TTFT_SLO_S",
-           "Predicted TTFT (corrected by what requests saw) above this: 429. 0 = no objective: "
-           "requests queue.", own_default=0.0),
+           "Predicted TTFT (corrected by what requests saw, to their 99th percentile) above "
+           "this: 429. 0 = no objective: requests queue.", own_default=0.0),
     Option("max_queue_wait_s", "PDSERVE_MAX_QUEUE_WAIT_S", "Estimated; 429 above. 0 = off.",
            own_default=0.0),
     Option("queue_timeout_s", "PDSERVE_QUEUE_TIMEOUT_S", None, AdmissionSettings),

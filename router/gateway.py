@@ -206,6 +206,9 @@ class Run:
         self._last_token_s: float | None = None
         self._leg_has_token = False
         self._num_open = job.params.n  # samples without their finish reason yet
+        # The time to first token admission predicted when the request arrived (its first
+        # leg's: a refused or moved leg's own prediction starts later than the client's wait).
+        self.predicted_ttft_s: float | None = None
 
     async def start(self) -> None:
         await self._dispatch()
@@ -254,6 +257,8 @@ class Run:
                 self.lease = await gateway.admission.admit(ticket)
         except TimeoutError:
             raise DeadlineExceeded("the request's deadline passed in the admission queue") from None
+        if self.predicted_ttft_s is None:
+            self.predicted_ttft_s = self.lease.prediction.ttft_s
         # After a move, the worker counts the streamed tokens at the prompt's end as output.
         request = wpb.DecodeRequest(
             request_id=ticket.request_id,

@@ -30,3 +30,9 @@ TTFT_CORRECTION = Gauge(
     "Observed / modelled time to first token that admission has learned, per pool",
     ["pool"],
 )
+TTFT_TAIL_MARGIN = Gauge(
+    "pdserve_router_ttft_tail_margin",
+    "How far the recent observed / modelled TTFTs' 99th percentile is over the correction, per "
+    "pool: admission sheds by the corrected prediction times this",
+    ["pool"],
+)

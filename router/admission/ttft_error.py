@@ -6,15 +6,27 @@ colocated decode batch takes from prefill, none of which the prediction models. 
 router learns one factor per pool, observed / predicted, and multiplies its predictions by it
 before it sheds by them. The factor is a ratio of smoothed sums, not a mean of ratios: a long
 wait weighs more than a short one, which is what the shedding decision is about.
+
+That corrected prediction is a point estimate: about half the requests admitted just under the
+objective see more. Under a sustained overload that is where every admitted request is (the
+queue fills until new arrivals are predicted at the objective), so shedding by it bounds their
+median, not their tail. So each correction also keeps the recent observed / modelled ratios,
+and admission sheds by the prediction times the tail margin: how far their 99th percentile is
+above the factor (never below 1, so the margin only ever sheds more).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.1  # weight of the newest sample in both sums
 # Bounds on the factor: a burst of odd samples cannot make the router shed everything or nothing.
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
+# The tail margin: the 99th percentile of this many recent ratios (the fewest that define one),
+# once there are TAIL_MIN_SAMPLES; within [1, MAX_FACTOR / MIN_FACTOR].
+TAIL_QUANTILE, TAIL_WINDOW, TAIL_MIN_SAMPLES = 99, 100, 10
 
 
 @dataclass(slots=True)
@@ -24,10 +36,12 @@ class TTFTCorrection:
     min_predicted_s: float
     observed_s: float = 0.0
     predicted_s: float = 0.0
+    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TAIL_WINDOW))
 
     def observe(self, predicted_s: float, observed_s: float) -> None:
         if predicted_s < self.min_predicted_s:
             return
+        self.ratios.append(observed_s / predicted_s)
         if self.predicted_s == 0.0:
             self.observed_s, self.predicted_s = observed_s, predicted_s
             return
@@ -40,6 +54,14 @@ class TTFTCorrection:
         if self.predicted_s == 0.0:
             return 1.0
         return min(MAX_FACTOR, max(MIN_FACTOR, self.observed_s / self.predicted_s))
+
+    @property
+    def tail_margin(self) -> float:
+        """The recent ratios' 99th percentile over the factor; 1.0 until there are enough."""
+        if len(self.ratios) < TAIL_MIN_SAMPLES:
+            return 1.0
+        tail = statistics.quantiles(self.ratios, n=100, method="inclusive")[TAIL_QUANTILE - 1]
+        return min(MAX_FACTOR / MIN_FACTOR, max(1.0, tail / self.factor))
 
 
 @dataclass(slots=True)
@@ -59,3 +81,7 @@ class TTFTCorrections:
     def factor(self, kind: str) -> float:
         correction = self._by_kind.get(kind)
         return 1.0 if correction is None else correction.factor
+
+    def tail_margin(self, kind: str) -> float:
+        correction = self._by_kind.get(kind)
+        return 1.0 if correction is None else correction.tail_margin

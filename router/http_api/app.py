@@ -33,6 +33,9 @@ from router.workers import WorkerView
 
 log = logging.getLogger(__name__)
 
+# On every admitted completion: the TTFT admission predicted for it at arrival, in seconds.
+PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-s"
+
 
 def error_response(error: RouterError) -> JSONResponse:
     status = status_of(error)
@@ -163,11 +166,13 @@ async def _respond(
             Logprobs(kind, gateway.token_text, text_offset=len(echo)) for _ in range(job.params.n)
         )
     responder = Responder(kind, client_id, gateway.settings.model, logprobs)
+    assert run.predicted_ttft_s is not None  # open() returns an admitted run
+    headers = {PREDICTED_TTFT_HEADER: f"{run.predicted_ttft_s:.3f}"}
     if body.stream:  # from here on the status is 200; a later error goes in-band
         metrics.REQUESTS.labels(request.url.path, "200").inc()
         events = sse_events(run, responder, body.include_usage, body.continuous_usage, echo)
         return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+                                 headers=headers | {"Cache-Control": "no-cache"})  # fmt: skip
     try:
         whole = await until_disconnect(request, run.gather())
     finally:
@@ -183,7 +188,7 @@ async def _respond(
         )
         for sample in whole.samples
     ]
-    return JSONResponse(responder.response(choices, whole.usage))
+    return JSONResponse(responder.response(choices, whole.usage), headers=headers)
 
 
 def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:

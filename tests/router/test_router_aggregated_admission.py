@@ -181,6 +181,43 @@ def test_the_prediction_learns_what_requests_saw_and_sheds_by_it():
     )
 
 
+def test_the_tail_of_what_requests_saw_sheds_what_the_point_prediction_would_admit():
+    """Nine first tokens at the modelled 5 s and one at 8 s: the correction is 1.06 (the
+    smoothed sums), the ratios' 99th percentile 1.546, so a request predicted at 8.48 s under a
+    10 s objective is shed by its tail, 12.37 s; before those samples it would have queued."""
+
+    async def scenario() -> tuple[bool, Overloaded]:
+        clock = Clock()
+        slow = worker("prefill", "p", tokens_per_s=100)
+        adm = admission(slow, worker("decode", "d"), clock=clock, prefill_token_budget=500,
+                        ttft_slo_s=10.0)  # fmt: skip
+        busy = await adm.admit(ticket("busy", 500))
+        probe = asyncio.ensure_future(adm.admit(ticket("probe", 300)))
+        await asyncio.sleep(0)
+        queued_before = len(adm.queue) == 1 and not probe.done()
+        probe.cancel()
+        busy.end()
+        for i, observed_s in enumerate([5.0] * 9 + [8.0]):  # 500 tokens at 100/s: 5 s modelled
+            lease = await adm.admit(ticket(f"r{i}", 500))
+            clock.now += observed_s
+            lease.end_prefill()
+            lease.end()
+        busy = await adm.admit(ticket("busy-again", 500))
+        with pytest.raises(Overloaded) as rejected:
+            await adm.admit(ticket("probe-again", 300))
+        busy.end()
+        return queued_before, rejected.value
+
+    queued_before, rejected = asyncio.run(scenario())
+    assert queued_before
+    assert rejected.reason == "queue_wait"
+    assert str(rejected) == (
+        "predicted time to first token 8.5 s (12.4 s at the 99th percentile) is over the "
+        "10.0 s SLO; retry in 2 s"
+    )
+    assert rejected.retry_after_s == pytest.approx(8.48 * 1.546 / 1.06 - 10.0)
+
+
 def test_the_estimates_use_the_drain_the_router_observed_when_it_is_slower():
     """The worker computes 1000 tokens/s, but its budget frees only at each first token."""
 

@@ -1,10 +1,12 @@
 """Backpressure on a real cluster: with prefill capacity saturated, excess requests are
 rejected at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED) while the admitted ones
-complete; afterwards the router admits again. A request that no decode worker could ever hold
-is no load: it gets a 400 at once."""
+complete; afterwards the router admits again. With a TTFT objective, an open-loop burst is shed
+by its predicted TTFT, which every admitted response carries in a header. A request that no
+decode worker could ever hold is no load: it gets a 400 at once."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +18,7 @@ from router_harness import MODEL
 
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
+from router.http_api.app import PREDICTED_TTFT_HEADER
 from router.settings import AdmissionSettings
 from tests.waiting import wait_until
 
@@ -44,11 +47,16 @@ def num_queued(router) -> int:
     return sum(admin(router)["queue"].values())
 
 
-def rejections(router, reason: str) -> float:
+def metric(router, sample: str) -> float:
+    """One sample's value from /metrics (0 before it exists), e.g. 'name_sum{label="x"}'."""
     metrics = httpx.get(f"{router.http_url}/metrics", timeout=10).text
-    prefix = f'pdserve_router_rejections_total{{length_bucket="short",reason="{reason}"}} '
     return next((float(line.split()[-1]) for line in metrics.splitlines()
-                 if line.startswith(prefix)), 0.0)  # fmt: skip
+                 if line.startswith(f"{sample} ")), 0.0)  # fmt: skip
+
+
+def rejections(router, reason: str, bucket: str = "short") -> float:
+    labels = f'length_bucket="{bucket}",reason="{reason}"'
+    return metric(router, f"pdserve_router_rejections_total{{{labels}}}")
 
 
 def test_http_429_with_retry_after_while_admitted_requests_complete(start_router):
@@ -169,3 +177,82 @@ def test_a_request_no_decode_worker_can_hold_gets_400_at_once(start_router):
     fits = httpx.post(f"{router.http_url}/v1/completions", timeout=120,
                       json=ask | {"max_tokens": 2, "n": 1, "temperature": 0})  # fmt: skip
     assert fits.status_code == 200, fits.text
+
+
+def predicted_ttft_sum(router) -> float:
+    return metric(router, 'pdserve_router_ttft_predicted_seconds_sum{length_bucket="short"}')
+
+
+def test_an_admitted_response_carries_the_ttft_admission_predicted(start_router):
+    """The header is the prediction admission made at arrival: the same number its
+    pdserve_router_ttft_predicted_seconds histogram observed, streamed or not."""
+    router = start_router()
+    ask = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 4, "temperature": 0}
+    for stream in (False, True):
+        before_s = predicted_ttft_sum(router)
+        with httpx.stream("POST", f"{router.http_url}/v1/completions", timeout=120,
+                          json=ask | {"stream": stream}) as response:  # fmt: skip
+            assert response.status_code == 200, response.read()
+            response.read()
+        predicted_s = float(response.headers[PREDICTED_TTFT_HEADER])
+        assert predicted_s > 0
+        assert predicted_s == pytest.approx(predicted_ttft_sum(router) - before_s, abs=5e-4)
+
+
+NUM_BURST = 12
+SLO_S = 0.5
+SHED_MESSAGE = re.compile(
+    r"predicted time to first token \d+\.\d s( \(\d+\.\d s at the 99th percentile\))? is over "
+    r"the 0\.5 s SLO; retry in (\d+) s"
+)
+
+
+def test_an_overloaded_open_loop_gets_429s_with_retry_after(start_router):
+    """A burst sent while a long prefill runs, none waiting for another's answer: whatever the
+    prefill speed, the tokens in front soon predict more than the objective, so some of the
+    burst is shed at arrival (429, Retry-After, OpenAI's error body, counted as queue_wait)
+    while every admitted request completes; once the burst is over the router admits again."""
+    router = start_router(admission=AdmissionSettings(ttft_slo_s=SLO_S))
+    ask = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    rejected_before = rejections(router, "queue_wait", "medium")
+
+    def complete(prompt: str) -> httpx.Response:
+        return httpx.post(f"{router.http_url}/v1/completions", json=ask | {"prompt": prompt},
+                          timeout=600)  # fmt: skip
+
+    with ThreadPoolExecutor(NUM_BURST + 1) as pool:
+        blocker = pool.submit(complete, long_prompt())
+        wait_until(
+            lambda: in_prefill(router) or blocker.done(),
+            timeout_s=60,
+            interval_s=0.02,
+            message="the long request is in prefill",
+        )
+        burst = [pool.submit(complete, long_prompt()) for _ in range(NUM_BURST)]
+        responses = [blocker.result(timeout=600)] + [f.result(timeout=600) for f in burst]
+
+    shed = [r for r in responses if r.status_code == 429]
+    admitted = [r for r in responses if r.status_code != 429]
+    assert shed, [r.status_code for r in responses]
+    for response in shed:
+        error = response.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "rate_limit_error", "rate_limit_exceeded", None,
+        )  # fmt: skip
+        match = SHED_MESSAGE.fullmatch(error["message"])
+        assert match, error["message"]
+        # The message rounds the excess, the header rounds it up (and is at least 1 s).
+        num_seconds = int(match.group(2))
+        assert int(response.headers["retry-after"]) in (max(1, num_seconds), num_seconds + 1)
+        assert PREDICTED_TTFT_HEADER not in response.headers
+    assert rejections(router, "queue_wait", "medium") - rejected_before == len(shed)
+    for response in admitted:
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        assert float(response.headers[PREDICTED_TTFT_HEADER]) > 0
+    wait_until(
+        lambda: num_queued(router) == 0 and complete("One, two, three,").status_code == 200,
+        timeout_s=120,
+        interval_s=1.0,
+        message="the router admits again after the burst",
+    )
