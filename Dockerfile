@@ -28,8 +28,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# g++ and the Python headers: the CPU paged decode kernel builds on first use, for the CPU the
+# pod lands on (engine/cpu_paged_backend.py; cached under /cache/torch_extensions).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
+       ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS builder
@@ -74,6 +77,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PDSERVE_CACHE=/cache/pdserve \
     CUDA_CACHE_PATH=/cache/nv \
     FLASHINFER_WORKSPACE_BASE=/cache \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions \
     THP_MEM_ALLOC_ENABLE=1
 USER ${PDSERVE_UID}:${PDSERVE_UID}
 WORKDIR /home/pdserve
