@@ -10,6 +10,14 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
 
+# Prompts the worker tests share: a long text, and token ids giving several seconds of prefill
+# on one thread (time for a fault to land mid-request).
+LONG_PROMPT = " ".join(
+    f"Note {i}: the warehouse shipped {i * 11} crates of apples to the harbour on day {i}."
+    for i in range(70)
+)
+LONG = [(13 * i) % 5000 + 200 for i in range(3000)]
+
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def cluster(request):

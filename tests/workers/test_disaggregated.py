@@ -5,12 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.workers.conftest import generate, token_ids
-
-LONG_PROMPT = " ".join(
-    f"Note {i}: the warehouse shipped {i * 11} crates of apples to the harbour on day {i}."
-    for i in range(70)
-)
+from tests.workers.conftest import LONG_PROMPT, generate, token_ids
 
 
 @pytest.fixture(scope="module")

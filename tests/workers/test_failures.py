@@ -15,9 +15,7 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
 from tests.waiting import wait_until
-from tests.workers.conftest import generate, token_ids
-
-LONG = [(13 * i) % 5000 + 200 for i in range(3000)]  # several seconds of prefill on 1 thread
+from tests.workers.conftest import LONG, generate, token_ids
 
 
 @pytest.fixture

@@ -17,9 +17,8 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
 from tests.waiting import wait_until
-from tests.workers.conftest import token_ids
+from tests.workers.conftest import LONG, token_ids
 from tests.workers.faulty_worker import POISON
-from tests.workers.test_failures import LONG
 
 FAULTY = (sys.executable, "-m", "tests.workers.faulty_worker")
 SHORT_PROMPTS = [[100 + i, 200 + i, 300 + i, 400 + i, 500 + i] for i in range(3)]
