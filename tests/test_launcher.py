@@ -104,15 +104,14 @@ def expected_text() -> str:
     return LLM(num_threads=2, device="cpu").generate([PROMPT_IDS], params)[0].text
 
 
-@pytest.fixture(scope="module")
-def up(expected_text: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def start_up(log_dir: Path) -> Up:
     """Two prefill workers (one can be killed while the other serves) and one decode worker."""
     http_port = free_port()
     command = [
         sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "1",
         "--http-port", str(http_port), "--grpc-port", str(free_port()), "--no-warmup",
         "--kv-backend", "tcp", "--cores", "2", "--restart-backoff-s", "0.5",
-        "--log-dir", str(tmp_path_factory.mktemp("pdserve-up")),
+        "--log-dir", str(log_dir),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)  # fmt: skip
@@ -131,10 +130,27 @@ def up(expected_text: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     text = "".join(lines)
     assert "pdserve is up" in text, text
     redis_url = re.search(r"Redis\s+(\S+)", text).group(1)
-    yield Up(process, f"http://127.0.0.1:{http_port}", redis_url, lines)
-    if process.poll() is None:  # a test failed before the SIGTERM test
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
+    return Up(process, f"http://127.0.0.1:{http_port}", redis_url, lines)
+
+
+@pytest.fixture(scope="module")
+def launched(expected_text: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Up]]:
+    """The module's `pdserve up`, started once (after expected_text, which needs the cores):
+    a one-item list, replaced by the up fixture once the SIGTERM test has stopped it."""
+    current = [start_up(tmp_path_factory.mktemp("pdserve-up"))]
+    yield current
+    if current[0].process.poll() is None:
+        current[0].process.send_signal(signal.SIGTERM)
+        current[0].process.wait(timeout=120)
+
+
+@pytest.fixture
+def up(launched: list[Up], tmp_path_factory: pytest.TempPathFactory) -> Up:
+    """The running `pdserve up`; a new one if a test stopped the last, so tests run in any
+    order."""
+    if launched[0].process.poll() is not None:
+        launched[0] = start_up(tmp_path_factory.mktemp("pdserve-up"))
+    return launched[0]
 
 
 def registered(up: Up) -> dict[str, str]:

@@ -28,6 +28,7 @@ def run_all(engine: LLMEngine) -> dict[str, list[StepOutput]]:
 
 def test_seeded_samples_equal_single_requests_with_seed_plus_index(llm):
     engine = llm.engine
+    engine.pool.reset_cache()  # no earlier test's blocks of PROMPT: only the samples share
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=123, n=3, ignore_eos=True)
     queried_before = engine.kv.stats.num_queried_tokens
     hits_before = engine.kv.stats.num_hit_tokens

@@ -155,6 +155,7 @@ def reference_pieces(tokenizer, token_ids: list[int]) -> list[str]:
 
 
 def test_a_decode_worker_killed_mid_stream_loses_no_request(workers, llm):
+    two_live_decode_workers(workers)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     with one_torch_thread():
         want = llm.generate(PROMPTS, greedy)
