@@ -28,8 +28,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# g++ and the Python headers: the CPU paged decode kernel builds on first use, for the CPU the
-# pod lands on (engine/cpu_paged_backend.py; cached under /cache/torch_extensions).
+# g++ and the Python headers: the engine's CPU kernels build on first use, for the CPU the pod
+# lands on (engine/cpu_kernels.py; cached under /cache/torch_extensions).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
        ca-certificates \

@@ -7,22 +7,17 @@ the KV heads for grouped queries, on every layer of every step: at 2,048 tokens 
 is several times the bytes the step needs. The kernel walks the blocks, scores each KV head's
 group of query heads against its K rows where they lie and keeps an online softmax in float.
 
-The kernel is C++, built once per machine and CPU instruction set on first use (about a minute
-on 2 cores; torch.utils.cpp_extension with ninja, cached under $TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions). A machine without a C++ compiler falls back to sdpa with a warning.
+The kernel is C++ (engine/cpu_kernels.py builds it); a machine without a C++ compiler falls
+back to sdpa with a warning.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention import (
     AttentionSpec,
     BackendUnusableError,
@@ -34,40 +29,6 @@ from engine.attention import (
     decode_rows,
     plan_prefills,
 )
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-
-# Instruction sets to build for, by what torch's own kernels dispatch to on this CPU: named
-# explicitly (not -march=native), so one cache directory never serves another CPU a binary it
-# cannot run. libmvec vectorizes the softmax's exp once errno is off.
-_ISA_FLAGS = {
-    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
-_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
-
-
-@cache
-def load_kernel():
-    """The compiled extension module (built on first call, then loaded from the cache)."""
-    from torch.utils import cpp_extension
-
-    isa = torch.backends.cpu.get_cpu_capability()
-    if shutil.which("ninja") is None:
-        # The pip ninja package puts its binary beside the venv's python, which is not on PATH
-        # when the venv's python is run by path (the launcher's workers, tests).
-        import ninja
-
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    log.info("loading the CPU paged decode kernel for %s (built once per machine)", isa)
-    return cpp_extension.load(
-        name=f"pdserve_paged_decode_{isa.lower()}",
-        sources=[str(SOURCE)],
-        extra_cflags=_FLAGS + _ISA_FLAGS.get(isa, []),
-        verbose=False,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +50,7 @@ class CPUPagedBackend(TorchSDPABackend):
         if spec.kv_quantized:
             raise BackendUnusableError("reads a float KV cache; an int8 one decodes through sdpa")
         try:
-            self._kernel = load_kernel()
+            self._kernel = cpu_kernels.load()
         except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
             raise BackendUnusableError(f"the C++ kernel did not build: {e}") from e
         check_against_sdpa(self, atol=1e-4 if spec.dtype == torch.float32 else 3e-2)

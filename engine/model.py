@@ -11,8 +11,8 @@ from engine.quantization import (
     PreparedWeight,
     Quantization,
     linear,
-    pack,
     prepare,
+    prepare_head,
     weight_tensors,
 )
 
@@ -115,14 +115,15 @@ class LlamaModel:
     ) -> None:  # fmt: skip
         """weights: Hugging Face names -> tensors already in dtype on device (engine.loader);
         the dict is consumed. quantization int8 / int4: the layers' linear weights to that
-        scheme. The lm_head keeps the model's dtype; on the CPU in float32 it and the layers'
-        float weights are packed for oneDNN (a tied head: a packed copy of the embedding table,
-        which lookups keep reading)."""
+        scheme, and a head that is exactly Q8_0 (the bundled GGUF's) read as its codes. Else the
+        lm_head keeps the model's dtype; on the CPU in float32 it and the layers' float weights
+        are packed for oneDNN (a tied head: a packed copy of the embedding table, which lookups
+        keep reading)."""
         self.cfg = cfg
         w = weights
         self.embed = w.pop("model.embed_tokens.weight")
-        self.lm_head: torch.Tensor | PreparedWeight = pack(
-            self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+        self.lm_head: torch.Tensor | PreparedWeight = prepare_head(
+            self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"), quantization
         )
         w.pop("lm_head.weight", None)  # a tied checkpoint may still carry its copy
         self.final_norm = w.pop("model.norm.weight")

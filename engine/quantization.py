@@ -25,11 +25,15 @@ measured no faster at 128-512 rows (docs/engine.md).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4")
@@ -46,6 +50,10 @@ KERNEL_MAX_ROWS = 64
 PACK_BATCH_HINT = 32
 # Steps of at most this many rows read a packed weight's plain copy (PackedWeight).
 PLAIN_MAX_ROWS = 2
+# Steps of at most this many rows read a Q8_0 head's codes (Q8Weight), whose kernel takes
+# output rows four at a time.
+Q8_MAX_ROWS = 4
+Q8_ROWS_AT_ONCE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +118,31 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [None], "")
 
 
-PreparedWeight = Int8Weight | Int4Weight | PackedWeight
+@dataclass(frozen=True, slots=True)
+class Q8Weight:
+    """A float32 weight that is exactly GGUF Q8_0 (int8 codes, one scale per 32 inputs: the
+    bundled GGUF's token embedding, so its tied lm_head), read as those codes by the C++ kernel
+    engine/csrc/q8_0_linear.cpp, for steps of up to Q8_MAX_ROWS rows: a quarter of the float32
+    bytes, the same values. More rows are compute-bound, and oneDNN's float32 matmul of the
+    packed weight is faster there (like PackedWeight's plain copy, a second copy of the
+    weight; docs/engine.md)."""
+
+    # Rows in fours, each four's groups side by side (the kernel reads a four front to back):
+    codes: torch.Tensor  # int8 [N / 4, K / 32, 4, 32]
+    scales: torch.Tensor  # float32 [N / 4, K / 32, 4]
+    packed: PackedWeight
+    kernel: ModuleType  # engine.cpu_kernels.load()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales, *self.packed.tensors()]
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.shape[0] > Q8_MAX_ROWS:
+            return self.packed.matmul(x2)
+        return self.kernel.q8_0_linear(x2, self.codes, self.scales)
+
+
+PreparedWeight = Int8Weight | Int4Weight | PackedWeight | Q8Weight
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -182,6 +214,47 @@ def pack(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
         return weight
     # The batch-size hint only steers oneDNN's layout choice; measured the same at 1, 32, 512.
     return PackedWeight(weight, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT))
+
+
+def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A [N, K] float32 weight's Q8_0 codes int8 [N, K] and scales float32 [N, K / 32] when it
+    is exactly Q8_0 (every group of 32 is scale * code, as a GGUF's dequantized Q8_0 tensor is:
+    llama.cpp's scale is the group's max |w| / 127), else None."""
+    n, k = weight.shape
+    if k % INT4_GROUP or weight.dtype != torch.float32:
+        return None
+    groups = weight.view(n, k // INT4_GROUP, INT4_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    codes = torch.round(groups / scales[..., None])
+    if not torch.equal(codes * scales[..., None], groups):
+        return None
+    return codes.to(torch.int8).view(n, k), scales
+
+
+def prepare_head(weight: torch.Tensor, quantization: Quantization) -> torch.Tensor | PreparedWeight:
+    """The lm_head's form: with quantized layers on the CPU, a head whose float32 weight is
+    exactly Q8_0 reads its codes (Q8Weight; the bundled model's 113 MB head becomes 32 MB a
+    decode step); otherwise the model's own weight, packed (pack)."""
+    if quantization == "none" or weight.device.type != "cpu":
+        return pack(weight)
+    packed, found = pack(weight), q8_0_codes(weight)
+    if found is None or not isinstance(packed, PackedWeight) or len(weight) % Q8_ROWS_AT_ONCE:
+        return packed
+    from engine import cpu_kernels
+
+    try:
+        kernel = cpu_kernels.load()
+    except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
+        log.warning("lm_head: float32 (the Q8_0 kernel did not build: %s)", e)
+        return packed
+    codes, scales = found
+    n, k = codes.shape
+    codes = codes.view(n // Q8_ROWS_AT_ONCE, Q8_ROWS_AT_ONCE, k // INT4_GROUP, INT4_GROUP)
+    scales = scales.view(n // Q8_ROWS_AT_ONCE, Q8_ROWS_AT_ONCE, k // INT4_GROUP)
+    return Q8Weight(
+        codes.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous(), packed, kernel
+    )
 
 
 def prepare(weight: torch.Tensor, quantization: Quantization) -> torch.Tensor | PreparedWeight:

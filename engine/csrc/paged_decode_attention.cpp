@@ -11,7 +11,7 @@
 // cache: one layer's view [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim]; the page
 // stride is free (the real cache is block-major over all layers), the rest is contiguous.
 
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -168,9 +168,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache,
     default: TORCH_CHECK(false, "cache dtype must be float32, bfloat16 or float16");
   }
   return out.to(q.scalar_type());
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over the paged KV cache, read in place (CPU)");
 }

@@ -29,12 +29,16 @@ from engine.quality import (
 )
 from engine.quantization import (
     INT4_GROUP,
+    Q8_MAX_ROWS,
     Int4Weight,
     Int8Weight,
     PackedWeight,
+    Q8Weight,
     int4_groups,
     linear,
     pack,
+    prepare_head,
+    q8_0_codes,
     quantize_int4,
     quantize_int8,
 )
@@ -112,6 +116,68 @@ def test_packed_weight_matches_the_plain_weight_at_every_row_count():
     # Only float32 weights on the CPU are packed.
     half = w.bfloat16()
     assert pack(half) is half
+
+
+def q8_0_weight(rows: int, cols: int) -> torch.Tensor:
+    """A float32 weight that is exactly Q8_0: each group of 32 is a float16 scale times int8
+    codes reaching +-127 (llama.cpp's quantizer puts each group's max |w| there)."""
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (rows, cols // 32, 32)).float()
+    codes[..., 0] = 127.0
+    scales = (torch.rand(rows, cols // 32, 1) / 64).half().float()
+    return (codes * scales).view(rows, cols)
+
+
+def test_q8_0_head_kernel_matches_the_float_weight_and_ignores_the_batch():
+    w = q8_0_weight(96, 64)
+    head = prepare_head(w, "int4")
+    assert isinstance(head, Q8Weight)
+    assert head.codes.shape == (24, 2, 4, 32) and head.scales.shape == (24, 2, 4)
+    x = torch.randn(Q8_MAX_ROWS + 3, 64)
+    for rows in range(1, len(x) + 1):  # the kernel's rows, then the packed float32 copy's
+        got = linear(x[:rows], head)
+        torch.testing.assert_close(got, x[:rows] @ w.T, rtol=1e-5, atol=1e-5)
+    # Each of the kernel's rows is computed alike, whatever the batch: bit for bit.
+    batched = linear(x[:Q8_MAX_ROWS], head)
+    for i in range(Q8_MAX_ROWS):
+        assert torch.equal(linear(x[i : i + 1], head), batched[i : i + 1]), i
+
+
+def test_a_head_that_is_not_exactly_q8_0_keeps_its_float_weight():
+    w = q8_0_weight(96, 64)
+    w[5, 7] += 1e-3  # off the group's grid
+    assert isinstance(prepare_head(w, "int4"), PackedWeight)
+    assert isinstance(prepare_head(q8_0_weight(96, 64), "none"), PackedWeight)  # fp32 path
+    assert isinstance(prepare_head(q8_0_weight(94, 64), "int4"), PackedWeight)  # rows in fours
+
+
+def test_q8_0_codes_recover_the_gguf_token_embedding_exactly():
+    """The bundled GGUF's token embedding (the tied lm_head) is Q8_0: from the converted fp32
+    table, q8_0_codes finds its own codes and scales."""
+    import gguf
+
+    package, filename = BUNDLED_GGUF[DEFAULT_MODEL]
+    spec = importlib.util.find_spec(package)
+    reader = gguf.GGUFReader(str(Path(spec.submodule_search_locations[0]) / filename))
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+    # A Q8_0 block: float16 d, then 32 int8 codes.
+    blocks = np.asarray(tensor.data).reshape(rows, cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    with safe_open(str(resolve_model(DEFAULT_MODEL) / "model.safetensors"), framework="pt") as f:
+        weight = f.get_tensor("model.embed_tokens.weight")
+    found = q8_0_codes(weight)
+    assert found is not None
+    assert torch.equal(found[0], torch.from_numpy(codes))
+    nonzero = torch.from_numpy(d) != 0  # an all-zero group's scale is free (1 here)
+    assert torch.equal(found[1][nonzero], torch.from_numpy(d)[nonzero])
+
+
+def test_the_int4_engine_reads_the_q8_0_head_and_the_fp32_engine_its_float_weight(int4_llm, llm):
+    assert isinstance(int4_llm.engine.runner.model.lm_head, Q8Weight)
+    assert isinstance(llm.engine.runner.model.lm_head, PackedWeight)
 
 
 def test_int4_kernel_matches_dequantized_weights():

@@ -1,0 +1,54 @@
+"""The engine's C++ CPU kernels (engine/csrc/): built together into one extension module, once
+per machine and CPU instruction set, on first use.
+
+The paged decode attention (engine/cpu_paged_backend.py) and the Q8_0 linear of the lm_head
+(engine/quantization.py) live there. Building takes about a minute on 2 cores (torch's
+cpp_extension with ninja), cached under $TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions; a machine without a C++ compiler gets an error from load(), which
+each caller turns into its fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+# Instruction sets to build for, by what torch's own kernels dispatch to on this CPU: named
+# explicitly (not -march=native), so one cache directory never serves another CPU a binary it
+# cannot run. libmvec vectorizes the softmax's exp once errno is off.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+
+
+@cache
+def load():
+    """The compiled extension module (built on first call, then loaded from the cache). Raises
+    ImportError, OSError or RuntimeError where it cannot be built (no compiler or headers)."""
+    from torch.utils import cpp_extension
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    if shutil.which("ninja") is None:
+        # The pip ninja package puts its binary beside the venv's python, which is not on PATH
+        # when the venv's python is run by path (the launcher's workers, tests).
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    log.info("loading the engine's CPU kernels for %s (built once per machine)", isa)
+    return cpp_extension.load(
+        name=f"pdserve_cpu_kernels_{isa.lower()}",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=_FLAGS + _ISA_FLAGS.get(isa, []),
+        verbose=False,
+    )
