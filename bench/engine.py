@@ -164,16 +164,17 @@ class FlopModel:
         return {"float32": 4 * n, "bfloat16": 2 * n, "int8": int8}
 
     def decode_weight_bytes(self, quantization: str) -> int:
-        """Weight bytes one decode step reads: every layer's matmuls and the lm_head (fp32,
-        or int8 layers with one bf16 scale per output row, or int4 layers with a bf16 scale and
-        zero per group of 32; the lm_head in fp32)."""
+        """Weight bytes one decode step reads: every layer's matmuls and the lm_head (fp32; or
+        int8 layers with one bf16 scale per output row, or int4 layers with a float32 scale and
+        min per group of 32; with either, the bundled model's lm_head as its Q8_0 codes with a
+        float32 scale per 32)."""
         layers = self.num_layers * self.layer_matmul_params
-        head = 4 * self.lm_head_params
+        if quantization not in QUANTIZED:  # float32 ("none")
+            return 4 * layers + 4 * self.lm_head_params
+        head = self.lm_head_params + 4 * self.lm_head_params // INT4_GROUP
         if quantization == "int8":
             return layers + 2 * self.num_layers * self.layer_matmul_rows + head
-        if quantization == "int4":
-            return layers // 2 + 2 * 2 * layers // INT4_GROUP + head
-        return 4 * layers + head
+        return layers // 2 + 2 * 4 * layers // INT4_GROUP + head
 
     def gflop_per_token(self) -> float:
         """Matmul cost of one token with its own logits (attention excluded)."""

@@ -12,7 +12,8 @@ The ladder rounds the fp32 decoder weights, then runs the fp32 engine on them: t
 int8 quantizer (what a quantized engine's prefill computes: chunks of more than 64 rows run one
 float GEMM of the dequantized weight), the int4 min/max codes, int8 with a scale per group of
 inputs (what-ifs that no kernel here runs), and plain bf16 / fp16 rounding. What it leaves out is
-the bf16 activations of the int8 and int4 kernels, which only decode steps run. Then the same for
+the bf16 activations of the int8 kernel, which only decode steps run (the int4 kernel's are
+float32). Then the same for
 the KV cache: the engine's int8 cache (rotated rows, engine/kv_quant.py), and what-ifs that round
 K and V on their way into the fp32 cache (one int8 scale per plain row, bf16).
 

@@ -143,7 +143,7 @@ class EngineConfig:
                 f"{self.attention_backend!r}"
             )
         if self.quantization == "auto":
-            object.__setattr__(self, "quantization", auto_quantization(self.model, device))
+            object.__setattr__(self, "quantization", auto_quantization(self.model, device, self.dtype))
         if self.quantization not in ("none", "int8", "int4"):
             raise InvalidRequestError(
                 f"quantization must be auto, none, int8 or int4, got {self.quantization!r}"
@@ -152,6 +152,10 @@ class EngineConfig:
             # torch's CUDA int4 kernel (_weight_int4pack_mm) packs differently and has not been
             # run here (no GPU on the machines this was built on): refused, not guessed.
             raise InvalidRequestError(f"quantization int4 runs on the CPU only, not {device}")
+        if self.quantization == "int4" and self.dtype != "float32":
+            raise InvalidRequestError(
+                f"quantization int4 runs in float32 (its kernel's activations), not {self.dtype}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(
                 f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}"
@@ -180,11 +184,11 @@ class EngineConfig:
         return (*sizes, self.max_num_seqs)
 
 
-def auto_quantization(model: str, device: str) -> str:
-    """int4 for a model whose GGUF stores its layers' linears as Q4_1, on the CPU: the int4
-    path keeps exactly those codes (each group's min/max recovers them), so the engine reads
-    the file's own 4 bits a weight instead of its dequantized 32. Anything else: none (other
-    GGUF formats would be rounded again; int4 does not run on CUDA)."""
-    if device != "cpu":
+def auto_quantization(model: str, device: str, dtype: str) -> str:
+    """int4 for a model whose GGUF stores its layers' linears as Q4_1, on the CPU in float32:
+    the int4 path keeps exactly those codes (each group's min/max recovers them), so the engine
+    reads the file's own 4 bits a weight instead of its dequantized 32. Anything else: none
+    (other GGUF formats would be rounded again; int4 runs neither on CUDA nor in bfloat16)."""
+    if device != "cpu" or dtype != "float32":
         return "none"
     return "int4" if linear_weight_format(model) == "Q4_1" else "none"

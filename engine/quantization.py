@@ -12,15 +12,14 @@ input is cast down and its output cast back to the model's dtype, so the rest of
 computed independently of the others (no per-batch activation scale), so a request's tokens do
 not depend on what it is batched with.
 
-int4: groups of 32 consecutive input columns share a scale and a zero, w ~= scale * q + min with
+int4: groups of 32 consecutive input columns share a scale and a min, w ~= scale * q + min with
 q in [0, 15] (asymmetric min/max). That is the GGUF's own Q4_1 format, and llama.cpp's Q4_1 blocks
 each reach q = 0 and q = 15 (every block of the bundled model does), so min/max recovers their
-codes exactly (tests/engine/test_quantization.py checks against the raw GGUF blocks). The matmul
-is torch's CPU kernel torch._weight_int4pack_mm_for_cpu, which computes
-w = (q - 8) * scale + zero per group, with scales_and_zeros [K / 32, N, 2] in the activation
-dtype: bfloat16, like int8 (its float32 and float16 paths are scalar, 20-50x slower), so the
-GGUF's float16 scales are rounded to bfloat16. It runs every step, prefill too: dequantizing
-measured no faster at 128-512 rows (docs/engine.md).
+codes exactly (tests/engine/test_quantization.py checks against the raw GGUF blocks). Steps of
+up to CODES_MAX_ROWS rows (decode) run the C++ kernel engine/csrc/q4_1_linear.cpp on the codes,
+with float32 scales, mins and activations; more rows (prefill chunks, compute-bound) run
+oneDNN's float32 matmul on the weight as it was given, packed. On a GGUF's weights both read
+the same values, so the two differ only in summation order (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -40,20 +39,23 @@ QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4")
 INT8_MAX = 127
 INT4_MAX = 15
 INT4_GROUP = 32
-# The kernel's zero is the weight at q = 8 (the middle of 0..15), not at q = 0.
-INT4_MIDDLE = 8
-# torch's int4 pack needs the output dimension in multiples of 16.
-INT4_ROWS_MULTIPLE = 16
+# The C++ kernels (int4 layers, the Q8_0 head) take output rows four at a time.
+CODES_ROWS_AT_ONCE = 4
+# Steps of at most this many rows read the C++ kernels' codes (Int4Weight, Q8Weight); more rows
+# are compute-bound, where oneDNN's float32 matmul of the packed weight is faster (measured at 8
+# rows: docs/engine.md).
+CODES_MAX_ROWS = 4
 # Steps of at most this many rows (decode batches) run the int8 kernel; larger ones (prefill
 # chunks) dequantize the weight and run one float matmul (measured: docs/engine.md).
 KERNEL_MAX_ROWS = 64
 PACK_BATCH_HINT = 32
 # Steps of at most this many rows read a packed weight's plain copy (PackedWeight).
 PLAIN_MAX_ROWS = 2
-# Steps of at most this many rows read a Q8_0 head's codes (Q8Weight), whose kernel takes
-# output rows four at a time.
-Q8_MAX_ROWS = 4
-Q8_ROWS_AT_ONCE = 4
+
+
+def onednn_linear(x2: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] @ weight.T for a weight packed by torch.ops.mkldnn._reorder_linear_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [None], "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +83,26 @@ class Int8Weight:
 
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
-    """A linear layer's weight as torch's packed int4 codes and per-group scales and zeros."""
+    """A linear layer's weight as 4-bit codes with a float scale and min per 32 inputs, read by
+    the C++ kernel engine/csrc/q4_1_linear.cpp for steps of up to CODES_MAX_ROWS rows, and as
+    its float32 weight, packed for oneDNN, for more rows (a second copy of the weight). The
+    kernel computes every row of x alike, so a row's result does not depend on the batch."""
 
-    packed: torch.Tensor  # uint8 [N, K / 2], torch._convert_weight_to_int4pack_for_cpu's layout
-    scales_and_zeros: torch.Tensor  # [K / 32, N, 2], in the kernel's activation dtype
-    out_dtype: torch.dtype
+    # Rows in fours, each four's groups side by side (the kernel reads a four front to back); a
+    # group's 16 bytes hold its codes 0..15 in their low nibbles and 16..31 in their high ones.
+    codes: torch.Tensor  # uint8 [N / 4, K / 32, 4, 16]
+    scales: torch.Tensor  # float32 [N / 4, K / 32, 4]
+    mins: torch.Tensor  # float32 [N / 4, K / 32, 4]
+    dense: torch.Tensor  # the float32 weight, oneDNN-packed (PackedWeight.packed)
+    kernel: ModuleType  # engine.cpu_kernels.load()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scales_and_zeros]
+        return [self.codes, self.scales, self.mins, self.dense]
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        x2 = x2.to(self.scales_and_zeros.dtype).contiguous()
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scales_and_zeros)
-        return y.to(self.out_dtype)
+        if x2.shape[0] > CODES_MAX_ROWS:
+            return onednn_linear(x2, self.dense)
+        return self.kernel.q4_1_linear(x2, self.codes, self.scales, self.mins)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +124,14 @@ class PackedWeight:
         rows = x2.shape[0]
         if rows <= PLAIN_MAX_ROWS:
             return _small_linear(x2, self.plain, None, rows)
-        return torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [None], "")
+        return onednn_linear(x2, self.packed)
 
 
 @dataclass(frozen=True, slots=True)
 class Q8Weight:
     """A float32 weight that is exactly GGUF Q8_0 (int8 codes, one scale per 32 inputs: the
     bundled GGUF's token embedding, so its tied lm_head), read as those codes by the C++ kernel
-    engine/csrc/q8_0_linear.cpp, for steps of up to Q8_MAX_ROWS rows: a quarter of the float32
+    engine/csrc/q8_0_linear.cpp, for steps of up to CODES_MAX_ROWS rows: a quarter of the float32
     bytes, the same values. More rows are compute-bound, and oneDNN's float32 matmul of the
     packed weight is faster there (like PackedWeight's plain copy, a second copy of the
     weight; docs/engine.md)."""
@@ -137,7 +146,7 @@ class Q8Weight:
         return [self.codes, self.scales, *self.packed.tensors()]
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if x2.shape[0] > Q8_MAX_ROWS:
+        if x2.shape[0] > CODES_MAX_ROWS:
             return self.packed.matmul(x2)
         return self.kernel.q8_0_linear(x2, self.codes, self.scales)
 
@@ -185,23 +194,50 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.view(n, k).to(torch.int32), scale, low
 
 
-def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+def in_fours(values: torch.Tensor) -> torch.Tensor:
+    """[N, K / 32, ...] per-group values as [N / 4, K / 32, 4, ...]: each four rows' groups side
+    by side, the C++ kernels' layout."""
+    n = values.shape[0]
+    fours = values.view(n // CODES_ROWS_AT_ONCE, CODES_ROWS_AT_ONCE, *values.shape[1:])
+    return fours.transpose(1, 2).contiguous()
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight | PackedWeight:
     """Group-wise asymmetric 4-bit: per group of 32 inputs, scale = (max - min) / 15 and
     q = round((w - min) / scale), so min and max are on the grid (a group of equal values gets
-    scale 1). Refuses shapes torch's kernel cannot pack."""
+    scale 1). Refuses shapes and devices the kernel cannot take; without a kernel (no C++
+    compiler) the layer keeps its float32 weight, packed."""
     n, k = weight.shape
-    if k % INT4_GROUP or n % INT4_ROWS_MULTIPLE:
+    if k % INT4_GROUP or n % CODES_ROWS_AT_ONCE:
         raise ValueError(
             f"int4 needs input dims in multiples of {INT4_GROUP} and output dims in multiples "
-            f"of {INT4_ROWS_MULTIPLE}, got a {n}x{k} weight"
+            f"of {CODES_ROWS_AT_ONCE}, got a {n}x{k} weight"
         )
-    if weight.device.type != "cpu":
-        raise ValueError(f"int4 runs torch's CPU kernel only, the weight is on {weight.device}")
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise ValueError(
+            f"int4 runs a float32 CPU kernel, the weight is {weight.dtype} on {weight.device}"
+        )
+    dense = pack(weight)
+    kernel = _codes_kernel("int4 layers")
+    if kernel is None or not isinstance(dense, PackedWeight):
+        return dense
     q, scale, low = int4_groups(weight)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    zero = low + INT4_MIDDLE * scale  # w = scale * q + low = scale * (q - 8) + zero
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-    return Int4Weight(packed, scales_and_zeros.to(kernel_dtype(weight.dtype)), weight.dtype)
+    groups = q.view(n, k // INT4_GROUP, INT4_GROUP).to(torch.uint8)
+    half = INT4_GROUP // 2
+    nibbles = groups[..., :half] | (groups[..., half:] << 4)
+    # Only the packed copy is kept: steps that read the float weight have over 4 rows.
+    return Int4Weight(in_fours(nibbles), in_fours(scale), in_fours(low), dense.packed, kernel)
+
+
+def _codes_kernel(what: str) -> ModuleType | None:
+    """The C++ kernels' module, or None (logged) where they cannot be built."""
+    from engine import cpu_kernels
+
+    try:
+        return cpu_kernels.load()
+    except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
+        log.warning("%s: float32 (the C++ kernels did not build: %s)", what, e)
+        return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
@@ -239,22 +275,14 @@ def prepare_head(weight: torch.Tensor, quantization: Quantization) -> torch.Tens
     if quantization == "none" or weight.device.type != "cpu":
         return pack(weight)
     packed, found = pack(weight), q8_0_codes(weight)
-    if found is None or not isinstance(packed, PackedWeight) or len(weight) % Q8_ROWS_AT_ONCE:
+    if found is None or not isinstance(packed, PackedWeight) or len(weight) % CODES_ROWS_AT_ONCE:
         return packed
-    from engine import cpu_kernels
-
-    try:
-        kernel = cpu_kernels.load()
-    except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
-        log.warning("lm_head: float32 (the Q8_0 kernel did not build: %s)", e)
+    kernel = _codes_kernel("lm_head")
+    if kernel is None:
         return packed
     codes, scales = found
-    n, k = codes.shape
-    codes = codes.view(n // Q8_ROWS_AT_ONCE, Q8_ROWS_AT_ONCE, k // INT4_GROUP, INT4_GROUP)
-    scales = scales.view(n // Q8_ROWS_AT_ONCE, Q8_ROWS_AT_ONCE, k // INT4_GROUP)
-    return Q8Weight(
-        codes.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous(), packed, kernel
-    )
+    groups = codes.view(len(codes), -1, INT4_GROUP)
+    return Q8Weight(in_fours(groups), in_fours(scales), packed, kernel)
 
 
 def prepare(weight: torch.Tensor, quantization: Quantization) -> torch.Tensor | PreparedWeight:

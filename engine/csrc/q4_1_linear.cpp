@@ -1,0 +1,145 @@
+// x @ W.T on the CPU for a weight stored as GGUF Q4_1-style groups: 4-bit codes q in 0..15
+// with one float scale and one float min per 32 consecutive inputs, w = scale * q + min. A
+// decode step is bound by reading weights; these are 0.75 bytes a weight against float32's 4.
+//
+// Activations, scales and mins stay float32 (torch's int4 CPU kernel runs them in bfloat16).
+// The arithmetic is fixed by the code and the instruction set (16 lanes with AVX-512, 8 with
+// AVX2), never by M: out[m, n] is computed the same way whatever the batch.
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kGroupBytes = kGroup / 2;
+// Weight rows dotted at once: four independent accumulator chains, each x group loaded once.
+constexpr int64_t kRowsAtOnce = 4;
+
+// 8 codes (the low 8 bytes of v, one code a byte) as floats.
+inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+inline float sum8(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float s = 0.f;
+  for (float lane : lanes) s += lane;
+  return s;
+}
+
+// out[r] = w[r] . x for one task's kRowsAtOnce rows. A group's 16 bytes hold codes 0..15 in
+// their low nibbles and 16..31 in their high ones. Per group, w . x = scale * (q . x) +
+// min * sum(x): lane j of a row's accumulator gathers both at k = j (mod the vector width),
+// then the lanes are added in order.
+#ifdef __AVX512F__
+inline float sum16(__m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float s = 0.f;
+  for (float lane : lanes) s += lane;
+  return s;
+}
+
+inline void dot_rows(const uint8_t* codes, const float* scales, const float* mins,
+                     int64_t groups, const float* x, float* out) {
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  __m512 acc[kRowsAtOnce];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 x0 = _mm512_loadu_ps(x + g * kGroup), x1 = _mm512_loadu_ps(x + g * kGroup + 16);
+    const __m512 x_sum = _mm512_add_ps(x0, x1);
+    for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroupBytes) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+      const __m128i lo = _mm_and_si128(bytes, low_nibbles);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+      __m512 q_dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), x0);
+      q_dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), x1, q_dot);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scales[g * kRowsAtOnce + r]), q_dot, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[g * kRowsAtOnce + r]), x_sum, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum16(acc[r]);
+}
+#else
+// 8 codes (the low 8 bytes of v, one code a byte) as floats.
+inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+inline float sum8(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float s = 0.f;
+  for (float lane : lanes) s += lane;
+  return s;
+}
+
+inline void dot_rows(const uint8_t* codes, const float* scales, const float* mins,
+                     int64_t groups, const float* x, float* out) {
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  __m256 acc[kRowsAtOnce];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8),
+                 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+    const __m256 x_sum = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+    for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroupBytes) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+      const __m128i lo = _mm_and_si128(bytes, low_nibbles);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+      __m256 q_dot = _mm256_mul_ps(codes8(lo), x0);
+      q_dot = _mm256_fmadd_ps(codes8(_mm_srli_si128(lo, 8)), x1, q_dot);
+      q_dot = _mm256_fmadd_ps(codes8(hi), x2, q_dot);
+      q_dot = _mm256_fmadd_ps(codes8(_mm_srli_si128(hi, 8)), x3, q_dot);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[g * kRowsAtOnce + r]), q_dot, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(mins[g * kRowsAtOnce + r]), x_sum, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum8(acc[r]);
+}
+#endif
+
+}  // namespace
+
+// x: [M, K] float32. The weight [N, K] in tasks of 4 rows, each task's groups side by side so
+// that a task reads one run of memory: codes [N / 4, K / 32, 4, 16] uint8, scales and mins
+// [N / 4, K / 32, 4] float32 (engine/quantization.py, Int4Weight). Returns [M, N] float32.
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 3 && mins.dim() == 3,
+              "x [M, K], codes [N / 4, K / 32, 4, 16], scales and mins [N / 4, K / 32, 4]");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() &&
+                  mins.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
+                  scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat,
+              "x float32, codes uint8, scales and mins float32");
+  const int64_t rows = x.size(0), k = x.size(1), tasks = codes.size(0), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && codes.size(1) == groups && codes.size(2) == kRowsAtOnce &&
+                  codes.size(3) == kGroupBytes && scales.sizes() == mins.sizes() &&
+                  scales.size(0) == tasks && scales.size(1) == groups &&
+                  scales.size(2) == kRowsAtOnce,
+              "codes, scales and mins do not match x's K (a multiple of 32)");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "contiguous codes, scales and mins");
+  const int64_t n_out = tasks * kRowsAtOnce;
+  const auto xc = x.contiguous();
+  auto out = at::empty({rows, n_out}, x.options());
+  if (rows == 0 || n_out == 0) return out;
+  const float* xs = xc.data_ptr<float>();
+  const uint8_t* q = codes.data_ptr<uint8_t>();
+  const float* d = scales.data_ptr<float>();
+  const float* lo = mins.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t task_values = kRowsAtOnce * groups;
+  // A grain of 64 tasks: the layers' smallest weight (576 rows) still splits over two threads.
+  at::parallel_for(0, tasks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t m = 0; m < rows; ++m)
+        dot_rows(q + t * task_values * kGroupBytes, d + t * task_values, lo + t * task_values,
+                 groups, xs + m * k, o + m * n_out + t * kRowsAtOnce);
+  });
+  return out;
+}
