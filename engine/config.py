@@ -143,7 +143,8 @@ class EngineConfig:
                 f"{self.attention_backend!r}"
             )
         if self.quantization == "auto":
-            object.__setattr__(self, "quantization", auto_quantization(self.model, device, self.dtype))
+            resolved = auto_quantization(self.model, device, self.dtype)
+            object.__setattr__(self, "quantization", resolved)
         if self.quantization not in ("none", "int8", "int4"):
             raise InvalidRequestError(
                 f"quantization must be auto, none, int8 or int4, got {self.quantization!r}"
