@@ -166,13 +166,20 @@ def test_evicted_blocks_leave_the_index(cluster, router):
     prefill_0, _ = workers(cluster, "prefill")
     decode_0, _ = workers(cluster, "decode")
     wait_idle(router)
-    assert router.server.prefixes.cached_hashes(prefill_0.worker_id)  # the earlier prompts
+    index = router.server.prefixes
+    # Something cached on prefill_0 first, whichever tests ran before.
+    earlier = tokens(9, 3 * BLOCK)
+    direct(decode_0, prefill_0, earlier, max_tokens=1)
+    first_block = prompt_block_hashes(earlier, BLOCK)[0]
+    wait_until(
+        lambda: first_block in index.cached_hashes(prefill_0.worker_id),
+        timeout_s=60, interval_s=0.05, message="the index holds the earlier prompt's first block",
+    )  # fmt: skip
     # A prompt needing every block of prefill_0 evicts all it had cached.
     flood = tokens(8, PREFILL_BLOCKS * BLOCK - 1)
     direct(decode_0, prefill_0, flood, max_tokens=1)
     expected = set(prompt_block_hashes(flood + [0], BLOCK))
     assert len(expected) == PREFILL_BLOCKS - 1  # its last, partial block is never cached
-    index = router.server.prefixes
     wait_until(
         lambda: index.cached_hashes(prefill_0.worker_id) == expected,
         timeout_s=60,
