@@ -7,6 +7,7 @@
 // AVX2), never by M: out[m, n] is computed the same way whatever the batch.
 
 #include "kernels.h"
+#include "lanes.h"
 
 #include <ATen/Parallel.h>
 
@@ -22,27 +23,11 @@ constexpr int64_t kRowsAtOnce = 4;
 // 8 codes (the low 8 bytes of v, one code a byte) as floats.
 inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
-inline float sum8(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float s = 0.f;
-  for (float lane : lanes) s += lane;
-  return s;
-}
-
 // out[r] = w[r] . x for one task's kRowsAtOnce rows. A group's 16 bytes hold codes 0..15 in
 // their low nibbles and 16..31 in their high ones. Per group, w . x = scale * (q . x) +
 // min * sum(x): lane j of a row's accumulator gathers both at k = j (mod the vector width),
 // then the lanes are added in order.
 #ifdef __AVX512F__
-inline float sum16(__m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  float s = 0.f;
-  for (float lane : lanes) s += lane;
-  return s;
-}
-
 inline void dot_rows(const uint8_t* codes, const float* scales, const float* mins,
                      int64_t groups, const float* x, float* out) {
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
@@ -61,19 +46,11 @@ inline void dot_rows(const uint8_t* codes, const float* scales, const float* min
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[g * kRowsAtOnce + r]), x_sum, acc[r]);
     }
   }
-  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum16(acc[r]);
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
 }
 #else
 // 8 codes (the low 8 bytes of v, one code a byte) as floats.
 inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
-inline float sum8(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float s = 0.f;
-  for (float lane : lanes) s += lane;
-  return s;
-}
 
 inline void dot_rows(const uint8_t* codes, const float* scales, const float* mins,
                      int64_t groups, const float* x, float* out) {
@@ -97,7 +74,7 @@ inline void dot_rows(const uint8_t* codes, const float* scales, const float* min
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(mins[g * kRowsAtOnce + r]), x_sum, acc[r]);
     }
   }
-  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum8(acc[r]);
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
 }
 #endif
 

@@ -8,6 +8,7 @@
 // depend on what it is batched with.
 
 #include "kernels.h"
+#include "lanes.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,14 +28,6 @@ inline __m256 weights8(const int8_t* p, __m256 scale) {
 }
 
 // The 8 lanes of v added in a fixed order.
-inline float sum8(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float s = 0.f;
-  for (float lane : lanes) s += lane;
-  return s;
-}
-
 // out[r] = w[4t + r] . x for the kRowsAtOnce weight rows of task t. Lane j of a row's
 // accumulator sums the products at k = j (mod 8), then the lanes are added in order: AVX2 on
 // AVX2 and AVX-512 machines alike, so every machine computes the same arithmetic.
@@ -54,7 +47,7 @@ inline void dot_rows(const int8_t* codes, const float* scales, int64_t groups, c
       acc[r] = _mm256_fmadd_ps(weights8(codes + 24, scale), x3, acc[r]);
     }
   }
-  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum8(acc[r]);
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
 }
 
 }  // namespace
