@@ -20,9 +20,6 @@ constexpr int64_t kGroupBytes = kGroup / 2;
 // Weight rows dotted at once: four independent accumulator chains, each x group loaded once.
 constexpr int64_t kRowsAtOnce = 4;
 
-// 8 codes (the low 8 bytes of v, one code a byte) as floats.
-inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
 // out[r] = w[r] . x for one task's kRowsAtOnce rows. A group's 16 bytes hold codes 0..15 in
 // their low nibbles and 16..31 in their high ones. Per group, w . x = scale * (q . x) +
 // min * sum(x): lane j of a row's accumulator gathers both at k = j (mod the vector width),

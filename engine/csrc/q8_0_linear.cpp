@@ -27,7 +27,6 @@ inline __m256 weights8(const int8_t* p, __m256 scale) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale);
 }
 
-// The 8 lanes of v added in a fixed order.
 // out[r] = w[4t + r] . x for the kRowsAtOnce weight rows of task t. Lane j of a row's
 // accumulator sums the products at k = j (mod 8), then the lanes are added in order: AVX2 on
 // AVX2 and AVX-512 machines alike, so every machine computes the same arithmetic.
