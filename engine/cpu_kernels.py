@@ -5,7 +5,7 @@ The paged decode attention (engine/cpu_paged_backend.py) and the int4 (Q4_1) and
 of quantized layers and the lm_head (engine/quantization.py) live there. Building takes about a
 minute on 2 cores (torch's cpp_extension with ninja), cached under $TORCH_EXTENSIONS_DIR, by
 default ~/.cache/torch_extensions; a machine without a C++ compiler gets an error from load(), which
-each caller turns into its fallback.
+each caller turns into its fallback (load_or_none: a logged warning and None).
 """
 
 from __future__ import annotations
@@ -52,3 +52,12 @@ def load():
         extra_cflags=_FLAGS + _ISA_FLAGS.get(isa, []),
         verbose=False,
     )
+
+
+def load_or_none(fallback: str):
+    """load(), or None where the kernels cannot be built, logging what runs instead."""
+    try:
+        return load()
+    except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
+        log.warning("%s (the C++ kernels did not build: %s)", fallback, e)
+        return None

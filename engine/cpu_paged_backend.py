@@ -71,6 +71,10 @@ class CPUPagedBackend(TorchSDPABackend):
         )
 
     def forward(self, q, layer_cache, plan, new_k, new_v):
+        if plan.num_decodes == q.shape[0]:  # a decode-only step: every row is the kernel's
+            return self._kernel.paged_decode_attention(
+                q, layer_cache, plan.block_tables, plan.context_lens
+            )
         out = torch.empty_like(q)
         attend_prefills(out, q, layer_cache, plan.prefills, new_k, new_v)
         if plan.num_decodes:

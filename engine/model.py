@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from engine.config import ModelConfig
 from engine.quantization import (
@@ -50,6 +53,77 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of a step's positions: [T, 1, head_dim]
+
+
+class TorchOps:
+    """The decoder layer's element-wise steps as torch ops: any device, dtype and KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream plus delta, and its norm."""
+        x = x + delta
+        return x, self.norm(x, weight)
+
+    def rope_store(
+        self, qkv: torch.Tensor, rope: Rope, layer_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k rotated and k, v stored in the cache: q, k, v [T, heads, head_dim] as the
+        cache holds them (write_kv)."""
+        cfg = self.cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q and k heads side by side: one RoPE over both (5 ops a layer instead of 10).
+        qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, cfg.head_dim))
+        q, k = apply_rope(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        k, v = write_kv(layer_cache, meta, k, v)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class FusedCPUOps(TorchOps):
+    """The same steps as one C++ call each (engine/csrc/layer_ops.cpp), for a float32 model and
+    KV cache on the CPU: a decode token's layer runs 5 element-wise calls instead of ~60 torch
+    ops, whose dispatch cost more than the layer's int4 matmuls (docs/engine.md)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: ModuleType) -> None:
+        super().__init__(cfg)
+        self.kernels = kernels
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x is the layer's own residual stream (a fresh tensor every layer): added in place.
+        return x, self.kernels.add_rms_norm_(x, delta, weight, self.cfg.rms_norm_eps)
+
+    def rope_store(
+        self, qkv: torch.Tensor, rope: Rope, layer_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        qkv = qkv.contiguous()  # rotated in place (a one-row matmul may return it transposed)
+        self.kernels.rope_store_kv_(
+            qkv, *rope, layer_cache, meta.slot_block_ids, meta.slot_offsets, cfg.num_heads
+        )
+        heads = qkv.unflatten(-1, (-1, cfg.head_dim))
+        return heads.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
         """Takes (pops) this layer's tensors out of w: the unfused copies are freed layer by
@@ -87,25 +161,18 @@ class DecoderLayer:
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of this step's positions
+        rope: Rope,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         attention: AttentionBackend,
+        ops: TorchOps,
     ) -> torch.Tensor:
-        cfg = self.cfg
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        h = ops.norm(x, self.input_norm)
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        # q and k heads side by side: one RoPE over both (5 ops a layer instead of 10).
-        qk = qkv[:, : q_size + kv_size].unflatten(-1, (-1, cfg.head_dim))
-        q, k = apply_rope(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        k, v = write_kv(layer_cache, meta, k, v)
+        q, k, v = ops.rope_store(qkv, rope, layer_cache, meta)
         o = attention.forward(q, layer_cache, meta.plan, k, v)
-        x = x + linear(o.flatten(1), self.o_weight)
-        h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight)
+        x, h = ops.add_norm(x, linear(o.flatten(1), self.o_weight), self.post_attn_norm)
+        return x + linear(ops.silu_mul(linear(h, self.gate_up_weight)), self.down_weight)
 
 
 class LlamaModel:
@@ -131,6 +198,12 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg, dtype, device)
         for layer in self.layers:
             layer.prepare(quantization)
+        self.torch_ops = TorchOps(cfg)
+        self.fused_ops = self.torch_ops
+        if device.type == "cpu" and dtype == torch.float32:
+            kernels = cpu_kernels.load_or_none("the decoder layers' element-wise steps: torch ops")
+            if kernels is not None:
+                self.fused_ops = FusedCPUOps(cfg, kernels)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight and table the forward pass reads (to check where they live)."""
@@ -150,8 +223,10 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         x = self.embed[input_ids]
         rope = self.rope.at(positions)
+        # An int8 KV cache is quantized on store, which only the torch ops do.
+        ops = self.fused_ops if kv_cache.dtype == x.dtype else self.torch_ops
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, rope, kv_cache[:, i], meta, attention)
+            x = layer.forward(x, rope, kv_cache[:, i], meta, attention, ops)
         return x
 
     @torch.inference_mode()

@@ -8,4 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T for W as int8 codes with a float scale per 32 inputs (GGUF Q8_0) (CPU)");
   m.def("q4_1_linear", &q4_1_linear,
         "x @ W.T for W as 4-bit codes with a float scale and min per 32 inputs (GGUF Q4_1) (CPU)");
+  m.def("rms_norm", &rms_norm, "Hugging Face Llama's RMSNorm of each row (CPU, float32)");
+  m.def("add_rms_norm_", &add_rms_norm_,
+        "x += delta in place, then RMSNorm of each row of x (CPU, float32)");
+  m.def("rope_store_kv_", &rope_store_kv_,
+        "RoPE on q and k in place in qkv, then k and v stored in the paged cache (CPU, float32)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of each [gate | up] row (CPU, float32)");
 }
