@@ -11,9 +11,11 @@ with fp32's margin there (top-1 minus top-2 log-probability, the same as the log
 The ladder rounds the fp32 decoder weights, then runs the fp32 engine on them: the engine's own
 int8 quantizer (what a quantized engine's prefill computes: chunks of more than 64 rows run one
 float GEMM of the dequantized weight), the int4 min/max codes, int8 with a scale per group of
-inputs (what-ifs that no kernel here runs), and plain bf16 / fp16 rounding. What it leaves out is
-the bf16 activations of the int8 kernel, which only decode steps run (the int4 kernel's are
-float32). Then the same for
+inputs (what-ifs that no kernel here runs), and plain bf16 / fp16 rounding. Then the int4 engine
+itself, as its prompt chunks compute (a float GEMM of the codes' values) and as its decode steps
+do (the C++ codes kernels, which round the activations to int8 per 32 inputs), the latter by
+running those kernels on every step. What it leaves out is the bf16 activations of the int8
+kernel, which only decode steps run. Then the same for
 the KV cache: the engine's int8 cache (rotated rows, engine/kv_quant.py), and what-ifs that round
 K and V on their way into the fp32 cache (one int8 scale per plain row, bf16).
 
@@ -41,6 +43,7 @@ from engine import LLM
 from engine.model import DecoderLayer
 from engine.quality import (
     PROMPTS,
+    codes_kernels_on_every_step,
     greedy_continuations,
     teacher_forced_top,
 )
@@ -128,16 +131,19 @@ KV_ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @contextmanager
-def rounded_kv(rounding: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def rounded_kv(llm: LLM, rounding: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """The fp32 engine with every new K and V row rounded on its way into the cache (what the
-    layers read back, like a quantized cache's rows)."""
-    write_kv = engine_model.write_kv
+    layers read back, like a quantized cache's rows). The layers run their torch steps, whose
+    KV store is write_kv (the fused CPU steps store K and V themselves)."""
+    model = llm.engine.runner.model
+    write_kv, fused_ops = engine_model.write_kv, model.fused_ops
     engine_model.write_kv = lambda cache, meta, k, v: write_kv(cache, meta, rounding(k),
                                                                rounding(v))  # fmt: skip
+    model.fused_ops = model.torch_ops
     try:
         yield
     finally:
-        engine_model.write_kv = write_kv
+        engine_model.write_kv, model.fused_ops = write_kv, fused_ops
 
 
 def main() -> None:
@@ -176,8 +182,13 @@ def main() -> None:
         measure(name, llm)
     set_weights(layers, originals)
     for name, rounding in KV_ROUNDINGS.items():
-        with rounded_kv(rounding):
+        with rounded_kv(llm, rounding):
             measure(name, llm)
+    int4 = LLM(num_threads=args.threads, quantization="int4")
+    measure("int4 engine, prompt chunks (float GEMM)", int4)
+    with codes_kernels_on_every_step():
+        measure("int4 engine, decode steps (codes kernels)", int4)
+    del int4
     measure("KV int8, rotated rows (the engine's)", LLM(num_threads=args.threads,
                                                         kv_cache_dtype="int8",
                                                         quantization="none"))  # fmt: skip

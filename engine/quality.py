@@ -4,10 +4,17 @@ teacher-forced argmax (the variant's choice at each position given the reference
 prefix) and where two free-running continuations part.
 
 bench/quant_quality.py reports these for weights and KV rounded several ways;
-tests/engine/test_quantization.py asserts on them for the engine's int8 and int4."""
+tests/engine/test_quantization.py asserts on them for the engine's int8 and int4.
+
+Teacher forcing runs prompt chunks, and a quantized engine's chunks read float weights where
+its decode steps run the C++ codes kernels: codes_kernels_on_every_step measures the latter."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine import quantization
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -69,3 +76,17 @@ def first_divergences(reference: list[list[int]], other: list[list[int]]) -> lis
         next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), None)
         for r, o in zip(reference, other, strict=True)
     ]
+
+
+@contextmanager
+def codes_kernels_on_every_step() -> Iterator[None]:
+    """The C++ codes kernels (int4 layers, the Q8_0 head) on steps of any size, prompt chunks
+    included, where the engine runs them on decode steps only. A kernel computes each row the
+    same way whatever the batch, so teacher-forced positions then see what a decode step
+    computes: the weights' codes and the kernels' rounded activations."""
+    max_rows = quantization.CODES_MAX_ROWS
+    quantization.CODES_MAX_ROWS = 1 << 30
+    try:
+        yield
+    finally:
+        quantization.CODES_MAX_ROWS = max_rows

@@ -17,22 +17,20 @@ q in [0, 15] (asymmetric min/max). That is the GGUF's own Q4_1 format, and llama
 each reach q = 0 and q = 15 (every block of the bundled model does), so min/max recovers their
 codes exactly (tests/engine/test_quantization.py checks against the raw GGUF blocks). Steps of
 up to CODES_MAX_ROWS rows (decode) run the C++ kernel engine/csrc/q4_1_linear.cpp on the codes,
-with float32 scales, mins and activations; more rows (prefill chunks, compute-bound) run
-oneDNN's float32 matmul on the weight as it was given, packed. On a GGUF's weights both read
-the same values, so the two differ only in summation order (docs/engine.md).
+with float32 scales and mins and the activations rounded to int16 per 32 inputs (integer dot
+products; no greedy token of the quality prompts moves); more rows (prefill chunks,
+compute-bound) run oneDNN's float32 matmul on the weight as it was given, packed. On a GGUF's
+weights both read the same values (docs/engine.md).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4")
@@ -233,11 +231,7 @@ def _codes_kernel(what: str) -> ModuleType | None:
     """The C++ kernels' module, or None (logged) where they cannot be built."""
     from engine import cpu_kernels
 
-    try:
-        return cpu_kernels.load()
-    except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
-        log.warning("%s: float32 (the C++ kernels did not build: %s)", what, e)
-        return None
+    return cpu_kernels.load_or_none(f"{what}: float32")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | PackedWeight:

@@ -10,13 +10,3 @@ inline float sum_lanes(__m256 v) {
   for (float lane : lanes) s += lane;
   return s;
 }
-
-#ifdef __AVX512F__
-inline float sum_lanes(__m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  float s = 0.f;
-  for (float lane : lanes) s += lane;
-  return s;
-}
-#endif

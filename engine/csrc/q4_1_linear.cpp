@@ -2,12 +2,13 @@
 // with one float scale and one float min per 32 consecutive inputs, w = scale * q + min. A
 // decode step is bound by reading weights; these are 0.75 bytes a weight against float32's 4.
 //
-// Activations, scales and mins stay float32 (torch's int4 CPU kernel runs them in bfloat16).
-// The arithmetic is fixed by the code and the instruction set (16 lanes with AVX-512, 8 with
-// AVX2), never by M: out[m, n] is computed the same way whatever the batch.
+// x is rounded per group to int16 (rounded_x.h, x ~= d * qx); per group,
+// w . x = scale * d * (q . qx) + min * sum(x), sum(x) of the unrounded x. The arithmetic never
+// depends on M or the machine: out[m, n] is computed the same way whatever the batch, on AVX2
+// and AVX-512 hosts alike (integer sums are exact; the float steps run in one fixed order).
 
 #include "kernels.h"
-#include "lanes.h"
+#include "rounded_x.h"
 
 #include <ATen/Parallel.h>
 
@@ -15,65 +16,38 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = kGroup / 2;
 // Weight rows dotted at once: four independent accumulator chains, each x group loaded once.
 constexpr int64_t kRowsAtOnce = 4;
 
 // out[r] = w[r] . x for one task's kRowsAtOnce rows. A group's 16 bytes hold codes 0..15 in
-// their low nibbles and 16..31 in their high ones. Per group, w . x = scale * (q . x) +
-// min * sum(x): lane j of a row's accumulator gathers both at k = j (mod the vector width),
-// then the lanes are added in order.
-#ifdef __AVX512F__
+// their low nibbles and 16..31 in their high ones: widened to int16, each half lines up with
+// 16 of qx's 32.
 inline void dot_rows(const uint8_t* codes, const float* scales, const float* mins,
-                     int64_t groups, const float* x, float* out) {
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-  __m512 acc[kRowsAtOnce];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512 x0 = _mm512_loadu_ps(x + g * kGroup), x1 = _mm512_loadu_ps(x + g * kGroup + 16);
-    const __m512 x_sum = _mm512_add_ps(x0, x1);
-    for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroupBytes) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-      const __m128i lo = _mm_and_si128(bytes, low_nibbles);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-      __m512 q_dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), x0);
-      q_dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), x1, q_dot);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scales[g * kRowsAtOnce + r]), q_dot, acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[g * kRowsAtOnce + r]), x_sum, acc[r]);
-    }
-  }
-  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
-}
-#else
-// 8 codes (the low 8 bytes of v, one code a byte) as floats.
-inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
-inline void dot_rows(const uint8_t* codes, const float* scales, const float* mins,
-                     int64_t groups, const float* x, float* out) {
+                     int64_t groups, const int16_t* qx, const float* d, const float* sum,
+                     float* out) {
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   __m256 acc[kRowsAtOnce];
+  float min_terms[kRowsAtOnce] = {};
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * kGroup;
-    const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8),
-                 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-    const __m256 x_sum = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+    const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup));
+    const __m256i x_hi =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup + 16));
     for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroupBytes) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-      const __m128i lo = _mm_and_si128(bytes, low_nibbles);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-      __m256 q_dot = _mm256_mul_ps(codes8(lo), x0);
-      q_dot = _mm256_fmadd_ps(codes8(_mm_srli_si128(lo, 8)), x1, q_dot);
-      q_dot = _mm256_fmadd_ps(codes8(hi), x2, q_dot);
-      q_dot = _mm256_fmadd_ps(codes8(_mm_srli_si128(hi, 8)), x3, q_dot);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[g * kRowsAtOnce + r]), q_dot, acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(mins[g * kRowsAtOnce + r]), x_sum, acc[r]);
+      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
+      const __m256i hi =
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+      const __m256i dot =
+          _mm256_add_epi32(_mm256_madd_epi16(lo, x_lo), _mm256_madd_epi16(hi, x_hi));
+      const float scale = scales[g * kRowsAtOnce + r];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * d[g]), acc[r]);
+      min_terms[r] += mins[g * kRowsAtOnce + r] * sum[g];
     }
   }
-  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]) + min_terms[r];
 }
-#endif
 
 }  // namespace
 
@@ -103,6 +77,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   auto out = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return out;
   const float* xs = xc.data_ptr<float>();
+  const RoundedX rounded(xs, rows, k);
   const uint8_t* q = codes.data_ptr<uint8_t>();
   const float* d = scales.data_ptr<float>();
   const float* lo = mins.data_ptr<float>();
@@ -113,7 +88,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; ++m)
         dot_rows(q + t * task_values * kGroupBytes, d + t * task_values, lo + t * task_values,
-                 groups, xs + m * k, o + m * n_out + t * kRowsAtOnce);
+                 groups, rounded.qx(m), rounded.d(m), rounded.sum(m), o + m * n_out + t * kRowsAtOnce);
   });
   return out;
 }

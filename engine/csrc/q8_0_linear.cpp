@@ -1,14 +1,14 @@
-// x @ W.T on the CPU for a weight stored as GGUF Q8_0 blocks: int8 codes with one float scale
-// per 32 consecutive inputs, w = scale * code. A Q8_0 weight read this way is a quarter of its
+// x @ W.T on the CPU for a weight stored as GGUF Q8_0 blocks: int8 codes w in -127..127 with
+// one float scale per 32 consecutive inputs. A Q8_0 weight read this way is a quarter of its
 // float32 bytes, and a decode step is bound by reading weights.
 //
-// Each weight is scale * code, computed in float (exact: an int8 code times a float16-born
-// scale fits float32's mantissa), then multiplied with x and added into a fixed lane of a fixed
-// accumulator. So out[m, n] is computed the same way whatever M is: a request's logits do not
-// depend on what it is batched with.
+// x is rounded per group to int16 (rounded_x.h, x ~= d * qx); per group,
+// w . x = scale * d * (w . qx), the integer dot product exact. The arithmetic never depends on
+// M or the machine: a request's logits do not depend on what it is batched with, on AVX2 and
+// AVX-512 hosts alike.
 
 #include "kernels.h"
-#include "lanes.h"
+#include "rounded_x.h"
 
 #include <ATen/Parallel.h>
 
@@ -16,34 +16,29 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
 // Weight rows dotted at once: each has its own accumulator, so the FMA units work on four
 // independent chains, and each group of x loaded serves all four rows.
 constexpr int64_t kRowsAtOnce = 4;
 
-// The 8 int8 codes at p as floats times scale (exact).
-inline __m256 weights8(const int8_t* p, __m256 scale) {
-  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale);
+// The 16 int8 codes at p widened to int16.
+inline __m256i codes16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// out[r] = w[4t + r] . x for the kRowsAtOnce weight rows of task t. Lane j of a row's
-// accumulator sums the products at k = j (mod 8), then the lanes are added in order: AVX2 on
-// AVX2 and AVX-512 machines alike, so every machine computes the same arithmetic.
-inline void dot_rows(const int8_t* codes, const float* scales, int64_t groups, const float* x,
-                     float* out) {
+// out[r] = w[4t + r] . x for the kRowsAtOnce weight rows of task t.
+inline void dot_rows(const int8_t* codes, const float* scales, int64_t groups, const int16_t* qx,
+                     const float* d, float* out) {
   __m256 acc[kRowsAtOnce];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * kGroup;
-    const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8),
-                 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+    const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup));
+    const __m256i x_hi =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup + 16));
     for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroup) {
-      const __m256 scale = _mm256_set1_ps(scales[g * kRowsAtOnce + r]);
-      acc[r] = _mm256_fmadd_ps(weights8(codes, scale), x0, acc[r]);
-      acc[r] = _mm256_fmadd_ps(weights8(codes + 8, scale), x1, acc[r]);
-      acc[r] = _mm256_fmadd_ps(weights8(codes + 16, scale), x2, acc[r]);
-      acc[r] = _mm256_fmadd_ps(weights8(codes + 24, scale), x3, acc[r]);
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(codes16(codes), x_lo),
+                                           _mm256_madd_epi16(codes16(codes + 16), x_hi));
+      const float scale = scales[g * kRowsAtOnce + r];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * d[g]), acc[r]);
     }
   }
   for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
@@ -72,7 +67,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const auto xc = x.contiguous();
   auto out = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return out;
-  const float* xs = xc.data_ptr<float>();
+  const RoundedX rounded(xc.data_ptr<float>(), rows, k);
   const int8_t* q = codes.data_ptr<int8_t>();
   const float* d = scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -80,8 +75,8 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::parallel_for(0, tasks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; ++m)
-        dot_rows(q + t * kRowsAtOnce * k, d + t * kRowsAtOnce * groups, groups, xs + m * k,
-                 o + m * n_out + t * kRowsAtOnce);
+        dot_rows(q + t * kRowsAtOnce * k, d + t * kRowsAtOnce * groups, groups, rounded.qx(m),
+                 rounded.d(m), o + m * n_out + t * kRowsAtOnce);
   });
   return out;
 }
