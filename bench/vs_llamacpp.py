@@ -96,6 +96,7 @@ def run_logged(args: Sequence[str | Path], what: str, log_path: Path, **kwargs: 
     """Runs a set-up step with its output in log_path; raises with the log's tail on failure."""
     log(f"{what} (log: {log_path})")
     started_s = time.monotonic()
+    log_path.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache yet
     with log_path.open("ab") as out:
         rc = subprocess.run([str(a) for a in args], stdout=out, stderr=subprocess.STDOUT,
                             check=False, **kwargs).returncode  # fmt: skip
