@@ -88,7 +88,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; ++m)
         dot_rows(q + t * task_values * kGroupBytes, d + t * task_values, lo + t * task_values,
-                 groups, rounded.qx(m), rounded.d(m), rounded.sum(m), o + m * n_out + t * kRowsAtOnce);
+                 groups, rounded.qx(m), rounded.d(m), rounded.sum(m),
+                 o + m * n_out + t * kRowsAtOnce);
   });
   return out;
 }

@@ -72,6 +72,18 @@ def test_a_mixed_step_runs_prefills_through_sdpa_and_decodes_through_the_kernel(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [128, 32])  # the other vectorized size; the generic loops
+def test_other_head_sizes_match_sdpa(head_dim):
+    spec = AttentionSpec(8, 2, head_dim, BLOCK, torch.float32, torch.device("cpu"))
+    paged, sdpa = CPUPagedBackend(spec), TorchSDPABackend(spec)
+    contexts = [1, 3, 16, 37, 300]  # keys in fours, a remainder, whole and partial blocks
+    layout = StepLayout([1] * len(contexts), contexts, _tables(contexts, seed=6))
+    q, layer, k, v = _step(spec, layout, seed=7)
+    got = paged.forward(q, layer, paged.plan(layout), k, v)
+    want = sdpa.forward(q, layer, sdpa.plan(layout), k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_cache_matches_sdpa_within_bf16_rounding():
     spec = _spec(torch.bfloat16)
     paged, sdpa = CPUPagedBackend(spec), TorchSDPABackend(spec)
