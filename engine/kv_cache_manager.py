@@ -1,8 +1,9 @@
-"""Per-request KV block tables on top of the block pool: prefix hits, slot allocation, freeing."""
+"""Per-request KV block tables on top of the block pool: prefix hits, slot allocation, freeing.
+Every change to a block's references goes through here; the pool only counts them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -93,3 +94,28 @@ class KVCacheManager:
 
     def _hash_full_blocks(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+
+    # ---- references held outside a request's block table -----------------------------------
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """Takes a reference on each block, so it outlives the request that uses it (bytes
+        still leaving for a peer); release drops it."""
+        self.pool.touch(block_ids)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference each, taken by hold or reserve_prefix_fetch."""
+        self.pool.free(block_ids)
+
+    def reserve_prefix_fetch(
+        self, own_block_ids: list[int], num_blocks: int, max_used_blocks: int
+    ) -> list[int] | None:
+        """Takes a reference on our cached prefix (own_block_ids) and allocates num_blocks for
+        the blocks a peer holds past it; None (and nothing taken) when that would leave more
+        than max_used_blocks in use."""
+        self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
+        if (
+            num_blocks > self.pool.num_free_blocks
+            or self.pool.num_used_blocks + num_blocks > max_used_blocks
+        ):
+            self.pool.free(reversed(own_block_ids))
+            return None
+        return self.pool.allocate(num_blocks)

@@ -249,14 +249,10 @@ class LLMEngine:
         """A peer holds more of a prompt than our cache (own_block_ids, kv.cached_prefix):
         takes a reference on those and allocates num_blocks for the next ones, None past the
         watermark. The caller fills them from the peer, registers them (kv.cache_prompt_blocks)
-        and frees both lists once the request has ended: held until then, they are the hits its
-        prefix match finds."""
-        self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
+        and releases both lists (kv.release) once the request has ended: held until then, they
+        are the hits its prefix match finds."""
         limit = self.scheduler.watermark_limit()
-        if num_blocks > self.pool.num_free_blocks or self.pool.num_used_blocks + num_blocks > limit:
-            self.pool.free(reversed(own_block_ids))
-            return None
-        return self.pool.allocate(num_blocks)
+        return self.kv.reserve_prefix_fetch(own_block_ids, num_blocks, limit)
 
     # ---- the step ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
