@@ -97,7 +97,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         self.settings = settings or DecodeSettings()
         self.block_size = runtime.settings.engine.block_size
         self.quarantine = Quarantine(
-            lambda ids: self.loop.post(lambda: self.engine.release_quarantined(ids))
+            lambda ids: self.loop.post(lambda: self.engine.kv.release_quarantined(ids))
         )
         self._channels: dict[str, worker_pb2_grpc.PrefillStub] = {}
         self._watches: dict[str, PrefillWatch] = {}

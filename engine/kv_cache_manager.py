@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
+from engine.errors import InsufficientKVError
 from engine.prefix_hash import extend_block_hashes, prompt_block_hashes
 from engine.request import Request
 
@@ -26,6 +27,9 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.stats = PrefixCacheStats()
+        # In use, but by no request: a remote writer may still be writing into them (its fence
+        # timed out), so they must not be handed out until it is known done or dead.
+        self.quarantined: set[int] = set()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -119,3 +123,53 @@ class KVCacheManager:
             self.pool.free(reversed(own_block_ids))
             return None
         return self.pool.allocate(num_blocks)
+
+    # ---- quarantine: blocks a remote writer may still write into ----------------------------
+    def quarantine_remote_blocks(self, request: Request) -> list[int]:
+        """Moves the blocks a remote writer was given (those past the request's prefix hits)
+        from the request into quarantine: the writer was not fenced. Returns their ids."""
+        first = self._first_remote_block(request)
+        unfenced = request.block_ids[first:]
+        request.block_ids = request.block_ids[:first]
+        self._quarantine(unfenced)
+        return unfenced
+
+    def replace_remote_blocks(self, request: Request) -> list[int]:
+        """Quarantines the blocks a remote writer was given and puts fresh ones in their place,
+        for another writer. Returns the quarantined ids."""
+        first = self._first_remote_block(request)
+        unfenced = request.block_ids[first:]
+        if len(unfenced) > self.pool.num_free_blocks:
+            raise InsufficientKVError(len(unfenced), self.pool.num_free_blocks)
+        request.block_ids[first:] = self.pool.allocate(len(unfenced))
+        self._quarantine(unfenced)
+        return unfenced
+
+    def release_quarantined(self, block_ids: list[int]) -> None:
+        """Their writer is done or dead: the blocks are free again."""
+        self.quarantined.difference_update(block_ids)
+        self.pool.free(block_ids)
+
+    def _first_remote_block(self, request: Request) -> int:
+        return request.num_cached_tokens // self.block_size
+
+    def _quarantine(self, block_ids: list[int]) -> None:
+        """Each block keeps the one reference its request had: no request has it now."""
+        for block_id in block_ids:
+            block = self.pool.blocks[block_id]
+            assert block.ref_cnt == 1 and block.block_hash is None, f"block {block_id} is shared"
+        self.quarantined.update(block_ids)
+
+    def check_integrity(self) -> None:
+        """Raises with the numbers unless every block is free, in use or quarantined, exactly
+        once: the pool's own bookkeeping, and each quarantined block held by the quarantine
+        alone."""
+        self.pool.check_integrity()
+        ref_counts = [self.pool.blocks[i].ref_cnt for i in self.quarantined]
+        problems = []
+        if num_free := ref_counts.count(0):
+            problems.append(f"{num_free} quarantined blocks are free")
+        if num_shared := sum(1 for n in ref_counts if n > 1):
+            problems.append(f"{num_shared} quarantined blocks are also in use")
+        if problems:
+            raise AssertionError("KV cache corrupt: " + "; ".join(problems))
