@@ -5,8 +5,8 @@ steps (the same path the local-prefill fallback takes).
 
 Blocks reserved for a remote prefill are freed only once their writer is fenced: a request
 that ends during its prefill (the client went away, a deadline, a failed attempt) first cancels
-the Prefill call and stops the KV transfer, and blocks whose writer did not confirm go to the
-quarantine instead of back to the pool.
+the Prefill call and stops the KV transfer; blocks whose writer did not confirm are not freed
+but quarantined in the engine until that writer is known done or dead (unfenced_writers.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import grpc
 
 import kvtransfer
 from decode_service import metrics
-from decode_service.quarantine import Quarantine
 from decode_service.settings import DecodeSettings
+from decode_service.unfenced_writers import UnfencedWriters
 from engine import InvalidRequestError, SamplingParams
 from engine.engine_loop import RequestStream
 from engine.errors import EngineDiedError
@@ -96,8 +96,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         self.loop = runtime.loop
         self.settings = settings or DecodeSettings()
         self.block_size = runtime.settings.engine.block_size
-        self.quarantine = Quarantine(
-            lambda ids: self.loop.post(lambda: self.engine.release_quarantined(ids))
+        self.unfenced_writers = UnfencedWriters(
+            lambda ids: self.loop.post(lambda: self.engine.kv.release_quarantined(ids))
         )
         self._channels: dict[str, worker_pb2_grpc.PrefillStub] = {}
         self._watches: dict[str, PrefillWatch] = {}
@@ -301,7 +301,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             unfenced = self.loop.call(lambda: self.engine.replace_remote_blocks(rid))
         else:
             unfenced = self.loop.call(lambda: self.engine.abort_remote_prefill(rid, False))
-        self.quarantine.add(unfenced, fence, address)
+        self.unfenced_writers.watch(unfenced, fence, address)
 
     def _on_engine_death(self, error: BaseException) -> None:
         with self._lock:

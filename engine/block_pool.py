@@ -39,9 +39,6 @@ class BlockPool:
         self.empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self.hash_to_block: dict[bytes, int] = {}
-        # In use, but by no request: a remote writer may still be writing into them (its fence
-        # timed out), so they must not be handed out until it is known done or dead.
-        self.quarantined: set[int] = set()
         # Off unless someone takes the events (take_cache_events), or they would pile up.
         self.record_events = False
         self._events: list[CacheEvent] = []
@@ -94,19 +91,6 @@ class BlockPool:
                 queue = self.cached_free if block.block_hash is not None else self.empty
                 queue[block_id] = None
 
-    def quarantine(self, block_ids: Iterable[int]) -> None:
-        """Keeps the caller's reference on blocks an unfenced writer may still write into."""
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            assert block.ref_cnt == 1 and block.block_hash is None, f"block {block_id} is shared"
-            self.quarantined.add(block_id)
-
-    def release_quarantined(self, block_ids: Iterable[int]) -> None:
-        """The writer is done or dead: the blocks are free again."""
-        block_ids = list(block_ids)
-        self.quarantined.difference_update(block_ids)
-        self.free(block_ids)
-
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Registers a full block under its hash; a hash already cached keeps its first block."""
         block = self.blocks[block_id]
@@ -152,8 +136,6 @@ class BlockPool:
             problems.append("a block sits in both free queues")
         if any(self.blocks[i].ref_cnt != 0 for i in free_ids):
             problems.append("a free block has a reference")
-        if self.quarantined & free_ids:
-            problems.append(f"{len(self.quarantined & free_ids)} quarantined blocks are free")
         if any(self.blocks[i].block_hash is not None for i in self.empty):
             problems.append("an empty block still has a hash")
         stale = [h for h, i in self.hash_to_block.items() if self.blocks[i].block_hash != h]

@@ -152,8 +152,8 @@ class EngineLoop:
                     self._step()
                     was_busy = True
                 else:
-                    if was_busy:  # cheap, and a corrupt pool must never serve another request
-                        self.engine.pool.check_integrity()
+                    if was_busy:  # cheap, and a corrupt cache must never serve another request
+                        self.engine.kv.check_integrity()
                         was_busy = False
                     self.stats = self.engine.stats()
                 self._hand_over_cache_events()

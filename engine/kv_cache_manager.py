@@ -1,11 +1,13 @@
-"""Per-request KV block tables on top of the block pool: prefix hits, slot allocation, freeing."""
+"""Per-request KV block tables on top of the block pool: prefix hits, slot allocation, freeing.
+Every change to a block's references goes through here; the pool only counts them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
+from engine.errors import InsufficientKVError
 from engine.prefix_hash import extend_block_hashes, prompt_block_hashes
 from engine.request import Request
 
@@ -25,6 +27,9 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.stats = PrefixCacheStats()
+        # In use, but by no request: a remote writer may still be writing into them (its fence
+        # timed out), so they must not be handed out until it is known done or dead.
+        self.quarantined: set[int] = set()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -93,3 +98,78 @@ class KVCacheManager:
 
     def _hash_full_blocks(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+
+    # ---- references held outside a request's block table -----------------------------------
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """Takes a reference on each block, so it outlives the request that uses it (bytes
+        still leaving for a peer); release drops it."""
+        self.pool.touch(block_ids)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference each, taken by hold or reserve_prefix_fetch."""
+        self.pool.free(block_ids)
+
+    def reserve_prefix_fetch(
+        self, own_block_ids: list[int], num_blocks: int, max_used_blocks: int
+    ) -> list[int] | None:
+        """Takes a reference on our cached prefix (own_block_ids) and allocates num_blocks for
+        the blocks a peer holds past it; None (and nothing taken) when that would leave more
+        than max_used_blocks in use."""
+        self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
+        if (
+            num_blocks > self.pool.num_free_blocks
+            or self.pool.num_used_blocks + num_blocks > max_used_blocks
+        ):
+            self.pool.free(reversed(own_block_ids))
+            return None
+        return self.pool.allocate(num_blocks)
+
+    # ---- quarantine: blocks a remote writer may still write into ----------------------------
+    def quarantine_remote_blocks(self, request: Request) -> list[int]:
+        """Moves the blocks a remote writer was given (those past the request's prefix hits)
+        from the request into quarantine: the writer was not fenced. Returns their ids."""
+        first = self._first_remote_block(request)
+        unfenced = request.block_ids[first:]
+        request.block_ids = request.block_ids[:first]
+        self._quarantine(unfenced)
+        return unfenced
+
+    def replace_remote_blocks(self, request: Request) -> list[int]:
+        """Quarantines the blocks a remote writer was given and puts fresh ones in their place,
+        for another writer. Returns the quarantined ids."""
+        first = self._first_remote_block(request)
+        unfenced = request.block_ids[first:]
+        if len(unfenced) > self.pool.num_free_blocks:
+            raise InsufficientKVError(len(unfenced), self.pool.num_free_blocks)
+        request.block_ids[first:] = self.pool.allocate(len(unfenced))
+        self._quarantine(unfenced)
+        return unfenced
+
+    def release_quarantined(self, block_ids: list[int]) -> None:
+        """Their writer is done or dead: the blocks are free again."""
+        self.quarantined.difference_update(block_ids)
+        self.pool.free(block_ids)
+
+    def _first_remote_block(self, request: Request) -> int:
+        return request.num_cached_tokens // self.block_size
+
+    def _quarantine(self, block_ids: list[int]) -> None:
+        """Each block keeps the one reference its request had: no request has it now."""
+        for block_id in block_ids:
+            block = self.pool.blocks[block_id]
+            assert block.ref_cnt == 1 and block.block_hash is None, f"block {block_id} is shared"
+        self.quarantined.update(block_ids)
+
+    def check_integrity(self) -> None:
+        """Raises with the numbers unless every block is free, in use or quarantined, exactly
+        once: the pool's own bookkeeping, and each quarantined block held by the quarantine
+        alone."""
+        self.pool.check_integrity()
+        ref_counts = [self.pool.blocks[i].ref_cnt for i in self.quarantined]
+        problems = []
+        if num_free := ref_counts.count(0):
+            problems.append(f"{num_free} quarantined blocks are free")
+        if num_shared := sum(1 for n in ref_counts if n > 1):
+            problems.append(f"{num_shared} quarantined blocks are also in use")
+        if problems:
+            raise AssertionError("KV cache corrupt: " + "; ".join(problems))

@@ -193,13 +193,7 @@ class LLMEngine:
         may still write into and gives the request fresh ones; returns the quarantined ids."""
         request = self.requests[request_id]
         assert request.status == "awaiting_kv", request.status
-        num_cached_blocks = request.num_cached_tokens // self.config.block_size
-        unfenced = request.block_ids[num_cached_blocks:]
-        if len(unfenced) > self.pool.num_free_blocks:
-            raise InsufficientKVError(len(unfenced), self.pool.num_free_blocks)
-        request.block_ids[num_cached_blocks:] = self.pool.allocate(len(unfenced))
-        self.pool.quarantine(unfenced)
-        return unfenced
+        return self.kv.replace_remote_blocks(request)
 
     def abort_remote_prefill(self, request_id: str, writer_fenced: bool) -> list[int]:
         """Ends a request awaiting remote KV. Unless its writer was fenced, the blocks it may
@@ -208,17 +202,9 @@ class LLMEngine:
         if request is None or request.status != "awaiting_kv":
             self.abort_request(request_id)
             return []
-        quarantined: list[int] = []
-        if not writer_fenced:
-            num_cached_blocks = request.num_cached_tokens // self.config.block_size
-            quarantined = request.block_ids[num_cached_blocks:]
-            request.block_ids = request.block_ids[:num_cached_blocks]
-            self.pool.quarantine(quarantined)
+        quarantined = [] if writer_fenced else self.kv.quarantine_remote_blocks(request)
         self._finish(request, "abort")
         return quarantined
-
-    def release_quarantined(self, block_ids: list[int]) -> None:
-        self.pool.release_quarantined(block_ids)
 
     def _num_awaiting_kv(self) -> int:
         return sum(1 for r in self.requests.values() if r.status == "awaiting_kv")
@@ -249,14 +235,10 @@ class LLMEngine:
         """A peer holds more of a prompt than our cache (own_block_ids, kv.cached_prefix):
         takes a reference on those and allocates num_blocks for the next ones, None past the
         watermark. The caller fills them from the peer, registers them (kv.cache_prompt_blocks)
-        and frees both lists once the request has ended: held until then, they are the hits its
-        prefix match finds."""
-        self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
+        and releases both lists (kv.release) once the request has ended: held until then, they
+        are the hits its prefix match finds."""
         limit = self.scheduler.watermark_limit()
-        if num_blocks > self.pool.num_free_blocks or self.pool.num_used_blocks + num_blocks > limit:
-            self.pool.free(reversed(own_block_ids))
-            return None
-        return self.pool.allocate(num_blocks)
+        return self.kv.reserve_prefix_fetch(own_block_ids, num_blocks, limit)
 
     # ---- the step ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -351,7 +333,7 @@ class LLMEngine:
             num_waiting_requests=len(self.scheduler.waiting),
             num_free_blocks=self.pool.num_free_blocks,
             num_blocks=self.pool.num_blocks,
-            num_quarantined_blocks=len(self.pool.quarantined),
+            num_quarantined_blocks=len(self.kv.quarantined),
             prefix_hit_rate=self.kv.stats.hit_rate,
             prefill_tokens_per_s=self._prefill_tokens_per_s,
         )

@@ -122,7 +122,7 @@ class PrefixFetcher:
 
     def _free(self, block_ids: list[int]) -> None:
         with contextlib.suppress(EngineStoppedError):  # the process is going away
-            self.runtime.loop.post(lambda: self.engine.pool.free(block_ids))
+            self.runtime.loop.post(lambda: self.engine.kv.release(block_ids))
 
     def _reserve(
         self, prompt: list[int], num_held_blocks: int

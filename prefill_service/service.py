@@ -167,7 +167,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             return
         src = request.block_ids[start:num_final]
         # Hold a reference so the blocks outlive the request until the bytes have left.
-        self.engine.pool.touch(src)
+        self.engine.kv.hold(src)
         job.held_block_ids.extend(src)
         job.num_sent_blocks = num_final
         try:
@@ -191,4 +191,4 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
                 handle.wait(max(0.0, deadline_s - time.monotonic()))
         held = job.held_block_ids + job.fetched.held_block_ids
         with contextlib.suppress(EngineStoppedError):
-            loop.post(lambda: self.engine.pool.free(held))
+            loop.post(lambda: self.engine.kv.release(held))

@@ -402,7 +402,7 @@ class Simulation:
 
     def _ship(self, worker: SimWorker, request: Request) -> None:
         """PrefillService._ship_finished_blocks on the engine thread after a step: every block
-        that became final is held (touched) and sent; the link carries one send at a time."""
+        that became final is held (kv.hold) and sent; the link carries one send at a time."""
         shipment = self._shipments.get(request.request_id)
         if shipment is None:
             return
@@ -416,8 +416,8 @@ class Simulation:
         if num_final <= start:
             return
         block_ids = request.block_ids[start:num_final]
-        pool = worker.engine.pool
-        pool.touch(block_ids)
+        kv = worker.engine.kv
+        kv.hold(block_ids)
         shipment.num_sent_blocks = num_final
         now = worker.clock()  # the end of the step that computed them
         begins = max(now, self.kv_links.get(worker.worker_id, 0.0))
@@ -425,7 +425,7 @@ class Simulation:
         self.kv_links[worker.worker_id] = shipment.done_at = done
 
         def release() -> None:
-            pool.free(block_ids)
+            kv.release(block_ids)
             worker.kick()
 
         self.loop.call_at(done, release)

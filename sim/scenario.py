@@ -151,8 +151,8 @@ def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None
 def check_no_leaks(sim: Simulation) -> None:
     """The invariant every worker test checks: idle means every block is free again."""
     for worker in sim.workers.values():
+        worker.engine.kv.check_integrity()
         pool = worker.engine.pool
-        pool.check_integrity()
         if worker.engine.has_unfinished_requests() or pool.num_free_blocks != pool.num_blocks:
             raise AssertionError(
                 f"{worker.worker_id}: {pool.num_blocks - pool.num_free_blocks} KV blocks still "

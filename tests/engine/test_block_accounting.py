@@ -38,7 +38,7 @@ def test_mixed_workload_leaves_every_block_free():
     assert [r.finish_reason for r in growing] == ["length"] * 4
     assert sum(r.num_preemptions for r in growing) > 0
     assert engine.pool.num_free_blocks == engine.pool.num_blocks == 24
-    engine.pool.check_integrity()
+    engine.kv.check_integrity()
 
     # A preempted-and-recomputed request produced exactly what it produces alone.
     preempted = next(r for r in growing if r.num_preemptions)

@@ -80,30 +80,6 @@ def test_hash_chain_depends_on_every_earlier_block():
     assert hash_block(first, [3, 4]) == hash_block(hash_block(None, [1, 2]), [3, 4])
 
 
-def test_quarantined_blocks_stay_out_of_use_until_released():
-    pool = BlockPool(4)
-    held = pool.allocate(2)
-    assert held == [0, 1]
-    pool.quarantine(held)
-    assert pool.num_free_blocks == 2
-    assert pool.allocate(2) == [2, 3]  # never the quarantined ones
-    with pytest.raises(NoFreeBlocksError):
-        pool.allocate(1)
-    pool.check_integrity()
-    pool.release_quarantined(held)
-    assert pool.quarantined == set()
-    assert pool.allocate(2) == [0, 1]
-    pool.check_integrity()
-
-
-def test_integrity_check_catches_a_quarantined_block_that_is_free():
-    pool = BlockPool(2)
-    pool.quarantine(pool.allocate(1))
-    pool.free([0])  # a bug: freed while quarantined
-    with pytest.raises(AssertionError, match="1 quarantined blocks are free"):
-        pool.check_integrity()
-
-
 def test_cache_changes_are_recorded_only_when_asked_in_order():
     pool = cached_pool(3, [0, 1])
     assert pool.take_cache_events() == []  # off by default: nothing piles up

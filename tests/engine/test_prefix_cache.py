@@ -30,4 +30,4 @@ def test_prefix_hit_gives_the_same_tokens_as_a_miss():
     queried = 2 * prompt_len + len(other.prompt_token_ids)
     assert stats.prefix_hit_rate == (hit.num_cached_tokens + other.num_cached_tokens) / queried
     assert stats.num_free_blocks == stats.num_blocks
-    llm.engine.pool.check_integrity()
+    llm.engine.kv.check_integrity()

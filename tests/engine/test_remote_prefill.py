@@ -24,7 +24,7 @@ def idle(engine):
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     engine.pool.reset_cache()
-    engine.pool.check_integrity()
+    engine.kv.check_integrity()
     assert engine.pool.num_free_blocks == 12
 
 
@@ -60,10 +60,10 @@ def test_an_unfenced_attempt_is_retried_on_fresh_blocks(engine):
     assert len(first_ids) == 3
     assert engine.replace_remote_blocks("a") == first_ids
     assert len(reserved.block_ids) == 3 and not set(reserved.block_ids) & set(first_ids)
-    assert engine.pool.quarantined == set(first_ids)
+    assert engine.kv.quarantined == set(first_ids)
     assert engine.abort_remote_prefill("a", writer_fenced=True) == []
     assert engine.pool.num_free_blocks == 9  # the fresh blocks are free, the unfenced are not
-    engine.release_quarantined(first_ids)
+    engine.kv.release_quarantined(first_ids)
 
 
 def test_an_unfenced_abort_quarantines_only_the_blocks_the_writer_was_given(engine):
@@ -76,6 +76,6 @@ def test_an_unfenced_abort_quarantines_only_the_blocks_the_writer_was_given(engi
     hit_ids, written_ids = reserved.block_ids[:2], reserved.block_ids[2:]
     quarantined = engine.abort_remote_prefill("b", writer_fenced=False)
     assert quarantined == written_ids
-    assert engine.pool.quarantined == set(quarantined)
+    assert engine.kv.quarantined == set(quarantined)
     assert all(engine.pool.blocks[i].ref_cnt == 0 for i in hit_ids)  # cached, free again
-    engine.release_quarantined(quarantined)
+    engine.kv.release_quarantined(quarantined)

@@ -1,9 +1,10 @@
-"""KV blocks a remote writer may still write into: out of use until it is known done or dead.
+"""Remote writers that did not confirm a cancel, watched until they are known done or dead.
 
 A prefill worker that does not confirm a cancel within the fence timeout (stalled, SIGSTOPped,
-or its transport wedged) could still land bytes in the blocks it was granted. Handing those
-blocks to another request would let them be overwritten, so they stay held until the writer
-confirms after all (its fence settles) or nothing listens at its address any more.
+or its transport wedged) could still land bytes in the blocks it was granted. The engine's KV
+cache manager keeps those blocks quarantined (out of use); this watches each such writer and
+has them released once it confirms after all (its fence settles) or nothing listens at its
+address any more.
 """
 
 from __future__ import annotations
@@ -26,37 +27,33 @@ _DEAD_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Quarantined:
-    block_ids: list[int]
+class UnfencedWriter:
+    block_ids: list[int]  # quarantined: the blocks it was granted
     fence: kvtransfer.Fence
     writer_address: str  # the prefill worker's gRPC address (host:port)
 
 
-class Quarantine:
-    """Thread-safe. A checker thread runs only while something is quarantined."""
+class UnfencedWriters:
+    """Thread-safe. A checker thread runs only while a writer is watched."""
 
     def __init__(self, release: Callable[[list[int]], None]) -> None:
-        self._release = release  # hands block ids back to the engine
-        self._entries: list[Quarantined] = []
+        self._release = release  # has the engine release quarantined block ids
+        self._entries: list[UnfencedWriter] = []
         self._lock = threading.Lock()
         self._checker: threading.Thread | None = None
 
-    def add(self, block_ids: list[int], fence: kvtransfer.Fence, writer_address: str) -> None:
+    def watch(self, block_ids: list[int], fence: kvtransfer.Fence, writer_address: str) -> None:
         if not block_ids:
             return
         log.warning("quarantined KV blocks %s: writer %s did not confirm it stopped",
                     block_ids, writer_address)  # fmt: skip
         with self._lock:
-            self._entries.append(Quarantined(block_ids, fence, writer_address))
+            self._entries.append(UnfencedWriter(block_ids, fence, writer_address))
             if self._checker is None:
                 self._checker = threading.Thread(
                     target=self._check_until_empty, name="kv-quarantine", daemon=True
                 )
                 self._checker.start()
-
-    def num_blocks(self) -> int:
-        with self._lock:
-            return sum(len(e.block_ids) for e in self._entries)
 
     def _check_until_empty(self) -> None:
         stop = threading.Event()  # never set: the pause between checks
