@@ -428,7 +428,7 @@ def _kv_metrics(info: WorkerInfo) -> dict[str, float]:
     values = {}
     for name in ("free", "used", "quarantined"):
         match = re.search(rf"^pdserve_kv_blocks_{name} (\S+)$", text, re.MULTILINE)
-        values[name] = float(match.group(1)) if match else 0.0  # quarantine: not exported yet
+        values[name] = float(match.group(1)) if match else -1  # -1: unknown, as when unreachable
     return values
 
 

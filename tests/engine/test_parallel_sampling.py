@@ -48,7 +48,7 @@ def test_seeded_samples_equal_single_requests_with_seed_plus_index(llm):
         assert [t for o in outputs[sample_id] for t in o.new_token_ids] == alone[i].token_ids
     assert len({tuple(a.token_ids) for a in alone}) == 3  # temperature 1: three samples
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    engine.pool.check_integrity()
+    engine.kv.check_integrity()
 
 
 def test_sample_params_seed_plus_index_wraps_at_64_bits():
@@ -96,7 +96,7 @@ def test_abort_through_the_loop_ends_every_sample_and_frees_every_block(llm):
         stats = loop.call(engine.stats)
         assert (stats.num_running_requests, stats.num_waiting_requests) == (0, 0)
         assert stats.num_free_blocks == stats.num_blocks
-        loop.call(engine.pool.check_integrity)
+        loop.call(engine.kv.check_integrity)
     finally:
         loop.stop()
 
