@@ -13,7 +13,7 @@ int8 quantizer (what a quantized engine's prefill computes: chunks of more than 
 float GEMM of the dequantized weight), the int4 min/max codes, int8 with a scale per group of
 inputs (what-ifs that no kernel here runs), and plain bf16 / fp16 rounding. Then the int4 engine
 itself, as its prompt chunks compute (a float GEMM of the codes' values) and as its decode steps
-do (the C++ codes kernels, which round the activations to int8 per 32 inputs), the latter by
+do (the C++ codes kernels, which round the activations to int16 per 32 inputs), the latter by
 running those kernels on every step. What it leaves out is the bf16 activations of the int8
 kernel, which only decode steps run. Then the same for
 the KV cache: the engine's int8 cache (rotated rows, engine/kv_quant.py), and what-ifs that round

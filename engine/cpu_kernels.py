@@ -1,8 +1,9 @@
 """The engine's C++ CPU kernels (engine/csrc/): built together into one extension module, once
 per machine and CPU instruction set, on first use.
 
-The paged decode attention (engine/cpu_paged_backend.py) and the int4 (Q4_1) and Q8_0 linears
-of quantized layers and the lm_head (engine/quantization.py) live there. Building takes about a
+The paged decode attention (engine/cpu_paged_backend.py), the int4 (Q4_1) and Q8_0 linears
+of quantized layers and the lm_head (engine/quantization.py) and the decoder layer's fused
+element-wise steps (engine/model.py, FusedCPUOps) live there. Building takes about a
 minute on 2 cores (torch's cpp_extension with ninja), cached under $TORCH_EXTENSIONS_DIR, by
 default ~/.cache/torch_extensions; a machine without a C++ compiler gets an error from load(), which
 each caller turns into its fallback (load_or_none: a logged warning and None).

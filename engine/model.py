@@ -93,7 +93,7 @@ class TorchOps:
 
 class FusedCPUOps(TorchOps):
     """The same steps as one C++ call each (engine/csrc/layer_ops.cpp), for a float32 model and
-    KV cache on the CPU: a decode token's layer runs 5 element-wise calls instead of ~60 torch
+    KV cache on the CPU: a decode token's layer runs 4 element-wise calls instead of ~60 torch
     ops, whose dispatch cost more than the layer's int4 matmuls (docs/engine.md)."""
 
     def __init__(self, cfg: ModelConfig, kernels: ModuleType) -> None:
