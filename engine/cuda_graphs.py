@@ -125,6 +125,9 @@ class DecodeGraphs:
             )  # fmt: skip
             if self.capture:
                 self._capture(step)
+            else:  # the same first step, eagerly
+                self._fill_scratch(step)
+                self._forward(step)
             self._steps[key] = step
         return step
 
@@ -147,10 +150,9 @@ class DecodeGraphs:
         self.attention.update_static_plan(step.plan, inputs.layout.padded(b, self.pad_block))
 
     def _fill_scratch(self, step: StaticDecodeStep) -> None:
-        """Every row decodes in the scratch block: what warm-up and capture run on."""
-        b = step.batch_size
-        scratch = DecodeInputs([0] * b, [0] * b, [self.pad_block] * b, StepLayout([], [], []))
-        self._fill(step, scratch)
+        """No request: every row is a padding row, decoding in the scratch block. What warm-up
+        and capture run on."""
+        self._fill(step, DecodeInputs([], [], [], StepLayout([], [], [])))
 
     def _forward(self, step: StaticDecodeStep) -> torch.Tensor:
         ids, positions = step.ints[0], step.ints[1]

@@ -16,7 +16,9 @@ def run_to_completion(engine, requests):
 
 def test_mixed_workload_leaves_every_block_free():
     # 24 blocks = 384 token slots: four requests growing to ~100 tokens each must preempt.
-    llm = LLM(num_threads=2, num_blocks=24, chunk_size=128, quantization="none")  # fp32 tokens
+    llm = LLM(
+        num_threads=2, device="cpu", num_blocks=24, chunk_size=128, quantization="none"
+    )  # fp32 tokens
     engine = llm.engine
     growing = [
         engine.add_request(f"grow-{i}", p, SamplingParams(max_tokens=80, **GREEDY))

@@ -40,6 +40,12 @@ def test_chunked_logits_equal_one_shot(llm, chunk):
 def test_chunk_sizes_give_identical_greedy_tokens(llm):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reference = llm.generate([PROMPT], params)[0].token_ids  # chunk 512 (the default)
-    small = LLM(chunk_size=128, num_threads=2, enable_prefix_caching=False, quantization="none")
+    small = LLM(
+        chunk_size=128,
+        num_threads=2,
+        device="cpu",
+        enable_prefix_caching=False,
+        quantization="none",
+    )
     assert small.generate([PROMPT], params)[0].token_ids == reference
     assert small.engine.pool.num_free_blocks == small.engine.pool.num_blocks

@@ -21,7 +21,7 @@ import torch
 from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
-from engine import EngineConfig, InvalidRequestError, SamplingParams
+from engine import LLM, EngineConfig, InvalidRequestError, SamplingParams
 from engine.attention import (
     AttentionSpec,
     BackendUnusableError,
@@ -190,6 +190,42 @@ def test_static_decode_steps_match_eager_decode_and_pad_into_the_scratch_block(l
     assert static == eager
     assert set(graphs._steps) == {(4, 16)}  # every decode step: 3 rows padded to 4, width 16
     assert scratch.abs().sum() > 0  # the padding row wrote there, and nowhere else
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
+def test_warm_up_and_capture_steps_decode_only_in_the_scratch_block(llm):
+    """capture_all's steps (what CUDA graphs capture, run eagerly here): every row a padding
+    row, so the scratch block is written and not one block of the pool."""
+    runner = llm.engine.runner
+    storage = runner._kv_storage
+    pool_before = storage[: runner.scratch_block].clone()
+    storage[runner.scratch_block].zero_()
+    graphs = DecodeGraphs(
+        runner.model, TorchSDPABackend(runner.attention.spec), storage, (1, 2, 8), max_blocks=64,
+        block_size=runner.config.block_size, pad_block=runner.scratch_block, capture=False,
+    )  # fmt: skip
+    graphs.capture_all()
+    assert set(graphs._steps) == {(1, 16), (2, 16), (8, 16)}
+    for (batch_size, _), step in graphs._steps.items():
+        pad = runner.scratch_block
+        assert step.ints.tolist() == [[0] * batch_size, [0] * batch_size, [pad] * batch_size,
+                                      [0] * batch_size]  # fmt: skip
+    assert storage[runner.scratch_block].abs().sum() > 0
+    assert torch.equal(storage[: runner.scratch_block], pool_before)
+
+
+@cuda_only
+def test_cuda_graph_replays_give_the_eager_steps_tokens():
+    """The captured graphs (fp32 on CUDA, SDPA's static plan) against the same engine's eager
+    decode steps: equal greedy tokens, batch sizes padded as captured."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(device="cuda", dtype="float32", num_threads=2, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.batch_sizes == (1, 2, 4)
+    graphed = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    runner.set_cuda_graphs(False)
+    eager = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert graphed == eager
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
 
 

@@ -57,7 +57,7 @@ def test_chunk_size_outside_the_supported_range():
 
 
 def test_generation_stops_at_the_context_limit():
-    llm = LLM(num_threads=2, num_blocks=4)  # 64 token slots
+    llm = LLM(num_threads=2, device="cpu", num_blocks=4)  # 64 token slots
     out = llm.generate([[42] * 60], SamplingParams(max_tokens=50, temperature=0.0))
     assert out[0].finish_reason == "length"
     assert len(out[0].token_ids) == 4

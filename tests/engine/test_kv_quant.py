@@ -17,7 +17,9 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def int8_kv_llm():
-    return LLM(num_threads=2, kv_cache_dtype="int8", chunk_size=128, quantization="none")
+    return LLM(
+        num_threads=2, device="cpu", kv_cache_dtype="int8", chunk_size=128, quantization="none"
+    )
 
 
 def test_rows_pack_rotated_values_and_their_scale():

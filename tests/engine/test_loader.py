@@ -49,7 +49,9 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(model_dir):
 
 
 def test_a_hugging_face_directory_loads_by_path(model_dir, llm):
-    by_path = LLM(model=str(model_dir), num_threads=2, num_blocks=64, quantization="none")
+    by_path = LLM(
+        model=str(model_dir), num_threads=2, device="cpu", num_blocks=64, quantization="none"
+    )
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = "The capital of France is"
     assert (

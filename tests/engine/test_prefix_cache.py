@@ -9,7 +9,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def test_prefix_hit_gives_the_same_tokens_as_a_miss():
-    llm = LLM(num_threads=2, num_blocks=256, quantization="none")  # the fp32 path
+    llm = LLM(num_threads=2, device="cpu", num_blocks=256, quantization="none")  # the fp32 path
     question = SHARED + "What is two plus two?"
     miss = llm.generate([question], GREEDY)[0]
     assert miss.num_cached_tokens == 0

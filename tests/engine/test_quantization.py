@@ -67,17 +67,19 @@ MIN_AGREEMENT = {"int8": 0.97, "int4": 0.995, "int4_decode": 0.995, "int8_kv": 0
 
 @pytest.fixture(scope="module")
 def int8_llm():
-    return LLM(num_threads=2, quantization="int8")
+    return LLM(num_threads=2, device="cpu", quantization="int8")
 
 
 @pytest.fixture(scope="module")
 def int8_kv_llm():
-    return LLM(num_threads=2, kv_cache_dtype="int8", quantization="none")  # fp32 weights
+    return LLM(
+        num_threads=2, device="cpu", kv_cache_dtype="int8", quantization="none"
+    )  # fp32 weights
 
 
 @pytest.fixture(scope="module")
 def int4_llm():
-    return LLM(num_threads=2, quantization="int4")
+    return LLM(num_threads=2, device="cpu", quantization="int4")
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +296,7 @@ def test_auto_runs_the_q4_1_gguf_codes_on_the_cpu_and_nothing_else(int4_llm):
     assert auto_quantization(DEFAULT_MODEL, "cpu", "bfloat16") == "none"
     with pytest.raises(InvalidRequestError, match="int4 runs in float32 .*, not bfloat16"):
         EngineConfig(quantization="int4", device="cpu", dtype="bfloat16")
-    auto = LLM(num_threads=2, quantization="auto")
+    auto = LLM(num_threads=2, device="cpu", quantization="auto")
     assert auto.engine.config.quantization == "int4"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     int4_llm.engine.pool.reset_cache()

@@ -15,7 +15,7 @@ PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks of 16
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(num_blocks=12, max_num_seqs=2, num_threads=1))
+    return LLMEngine(EngineConfig(num_blocks=12, max_num_seqs=2, num_threads=1, device="cpu"))
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,9 @@ def int8_cluster():
 
 @pytest.fixture(scope="module")
 def int8_kv_llm():
-    return LLM(num_threads=1, kv_cache_dtype="int8", quantization="none")  # as the workers
+    return LLM(
+        num_threads=1, device="cpu", kv_cache_dtype="int8", quantization="none"
+    )  # as the workers
 
 
 def test_int8_kv_ships_its_bytes_and_decodes_as_one_process(int8_cluster, int8_kv_llm):
