@@ -16,9 +16,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace {
+
+// Error messages are one std::string, never TORCH_CHECK's stream formatting of several values:
+// streaming an integer inside an extension crashed (SIGSEGV in ostream's _M_insert<long>) with
+// torch 2.11+cu130 and g++ 13.3, where a single string raised normally.
 
 // Rows per task: a decode step's few rows stay on the calling thread.
 constexpr int64_t kRowsPerTask = 16;
@@ -26,13 +31,15 @@ constexpr int64_t kRowsPerTask = 16;
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1,
-              name, " must be a float32 CPU tensor [rows, width] with contiguous rows");
+              std::string(name) +
+                  " must be a float32 CPU tensor [rows, width] with contiguous rows");
 }
 
 void check_vector(const at::Tensor& w, int64_t width, const char* name) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1 &&
                   w.size(0) == width && w.is_contiguous(),
-              name, " must be a contiguous float32 CPU vector of ", width);
+              std::string(name) + " must be a contiguous float32 CPU vector of " +
+                  std::to_string(width));
 }
 
 inline void norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
@@ -122,7 +129,8 @@ void rope_store_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(block_of[r] >= 0 && block_of[r] < cache.size(0) && offset_of[r] >= 0 &&
                     offset_of[r] < block,
-                "row ", r, ": slot (", block_of[r], ", ", offset_of[r], ") is outside the cache");
+                "row " + std::to_string(r) + ": slot (" + std::to_string(block_of[r]) + ", " +
+                    std::to_string(offset_of[r]) + ") is outside the cache");
   float* base = qkv.data_ptr<float>();
   float* kv = cache.data_ptr<float>();
   const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
