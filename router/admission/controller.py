@@ -188,7 +188,7 @@ class Admission:
         ticket as the prefill worker was chosen by. With a prefix index the decode worker comes
         first: a prefill worker that fetches can read the prefix it holds
         (Ticket.held_prefix_tokens). Without one, the prefill worker does (the simulator's
-        colocated placement follows the prefill policy's choice)."""
+        aggregated placement follows the prefill policy's choice)."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
             worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
