@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from engine import EngineConfig, SamplingParams
-from engine.errors import EngineError, InvalidRequestError
+from engine import errors as engine_errors
 from engine.request import Request, StepOutput
 from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import Role, WorkerInfo
 from router.admission import Admission, Lease
-from router.errors import InvalidRequest, Overloaded, Unavailable
+from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway
 from router.ledger import Ledger
 from router.routing import RoutingPolicies, build_policies
@@ -320,13 +320,13 @@ class Simulation:
                                  arrival_s=self.loop.time())  # fmt: skip
             record.bucket = ticket.bucket
             lease = await self.meter.run(self.admission.admit(ticket))
-        except InvalidRequest:
+        except InvalidRequestError:
             record.status = 400
             return record
-        except Overloaded as e:
+        except OverloadedError as e:
             record.status, record.reason = 429, e.reason
             return record
-        except Unavailable:
+        except UnavailableError:
             record.status = 503
             return record
         record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
@@ -351,10 +351,10 @@ class Simulation:
                 ]
             else:
                 requests = await self._remote_prefill(request, params, lease, worker, sink)
-        except InvalidRequestError:
+        except engine_errors.InvalidRequestError:
             record.status = 400
             return
-        except EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
+        except engine_errors.EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
             record.status, record.reason = 429, "decode_kv"
             return
         if not sink.done.done():
@@ -386,7 +386,7 @@ class Simulation:
         try:
             prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
                                                          first_params)  # fmt: skip
-        except EngineError:
+        except engine_errors.EngineError:
             decode.engine.abort_request(rid)
             raise
         self._shipments[rid] = shipment

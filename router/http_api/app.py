@@ -18,7 +18,7 @@ from pdserve import wire
 from pdserve.registry import ROLES
 from router import metrics
 from router.auth import check_bearer
-from router.errors import Overloaded, RouterError, status_of
+from router.errors import OverloadedError, RouterError, status_of
 from router.gateway import Gateway, Job
 from router.http_api import chat
 from router.http_api.body_limit import BodyLimit
@@ -39,7 +39,9 @@ PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-s"
 
 def error_response(error: RouterError) -> JSONResponse:
     status = status_of(error)
-    headers = {"Retry-After": error.retry_after_header} if isinstance(error, Overloaded) else {}
+    headers = (
+        {"Retry-After": error.retry_after_header} if isinstance(error, OverloadedError) else {}
+    )
     return JSONResponse(error_json(error, status), status.http, headers)
 
 
