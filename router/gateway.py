@@ -19,7 +19,7 @@ from engine import errors as engine_errors
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.prefix_hash import prompt_block_hashes
 from engine.tokenizer import TextTokenizer
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.registry import ROLES
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
@@ -237,7 +237,7 @@ class Run:
             whole.logprobs.extend(message.logprobs)
             whole.text += message.text
             whole.finish_reason = message.finish_reason
-            wire.set_stop_reason(whole, wire.stop_reason_of(message))
+            grpc_convert.set_stop_reason(whole, grpc_convert.stop_reason_of(message))
             if message.HasField("ttft"):
                 ttft = message.ttft
             if message.HasField("usage"):
@@ -269,7 +269,7 @@ class Run:
             request_id=ticket.request_id,
             prompt_token_ids=job.prompt_token_ids + self.output_token_ids,
             num_prior_output_tokens=len(self.output_token_ids),
-            params=wire.sampling_proto(job.params),
+            params=grpc_convert.sampling_proto(job.params),
             prefill_address=self.lease.prefill.address,
             router_queue_s=self.lease.queue_wait_s,
         )

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import grpc
 
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router import metrics
@@ -76,7 +76,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 else list(request.token_ids.ids)
             )
             job = gateway.job(
-                ids, lambda room: wire.sampling_params(request.params), received_s,
+                ids, lambda room: grpc_convert.sampling_params(request.params), received_s,
                 client_timeout_s=context.time_remaining(),
             )  # fmt: skip
             run = await gateway.open(job)

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from engine import SamplingParams
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.registry import ROLES
 from router import metrics
 from router.auth import check_bearer
@@ -185,7 +185,7 @@ async def _respond(
             sample.index,
             echo + sample.text,
             sample.finish_reason,
-            wire.stop_reason_of(sample),
+            grpc_convert.stop_reason_of(sample),
             logprobs[sample.index].json(sample.logprobs) if logprobs else None,
         )
         for sample in whole.samples
