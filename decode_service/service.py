@@ -27,10 +27,10 @@ from engine import InvalidRequestError, SamplingParams
 from engine.engine_loop import RequestStream
 from engine.errors import EngineDiedError
 from engine.request import Request
-from pdserve import wire
+from pdserve import grpc_convert
+from pdserve.grpc_convert import CallerGoneError, DeadlineExceededError, PrefillFailedError
 from pdserve.tls import open_channel
 from pdserve.v1 import generation_pb2 as pb
-from pdserve.wire import CallerGoneError, DeadlineExceededError, PrefillFailedError
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
@@ -105,7 +105,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         runtime.death_hooks.append(self._on_engine_death)
 
     def Generate(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
-        with self.runtime.serving(context), wire.statuses(context):
+        with self.runtime.serving(context), grpc_convert.statuses(context):
             rid = request.request_id or uuid.uuid4().hex
             watch = PrefillWatch()
             with self._lock:
@@ -121,7 +121,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         watch: PrefillWatch,
     ):  # fmt: skip
         prompt = list(request.prompt_token_ids)
-        params = wire.sampling_params(request.params)
+        params = grpc_convert.sampling_params(request.params)
         num_prior = request.num_prior_output_tokens
         n = params.n
         remaining_s = context.time_remaining()
@@ -169,7 +169,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             ttft_sent = False
             num_output_tokens = 0  # every sample's
             for output in stream:
-                message = wire.response(output)
+                message = grpc_convert.response(output)
                 num_output_tokens += len(output.new_token_ids)
                 if output.new_token_ids and not ttft_sent:
                     ttft_sent = True
@@ -196,7 +196,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             raise CallerGoneError("the caller went away")
         first_logprobs = None
         if prefill.HasField("first_token_logprobs"):
-            first_logprobs = wire.token_logprobs(prefill.first_token_logprobs)
+            first_logprobs = grpc_convert.token_logprobs(prefill.first_token_logprobs)
         stream = self.loop.open_stream(rid, n)
         self.loop.route(self.engine.commit_remote_prefill(
             rid, prefill.first_token_id, prefill.sampler_state, first_logprobs
@@ -230,7 +230,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         readable = self.runtime.settings.peer_fetch and num_cached_blocks > 0
         message = wpb.PrefillRequest(
             prompt_token_ids=reserved.prompt_token_ids,
-            params=wire.sampling_proto(params),
+            params=grpc_convert.sampling_proto(params),
             num_prior_output_tokens=request.num_prior_output_tokens,
             kv_destination=wpb.KVDestination(
                 agent_metadata=self.runtime.kv_agent.metadata(),

@@ -15,8 +15,8 @@ import kvtransfer
 from engine import InvalidRequestError
 from engine.errors import EngineStoppedError
 from engine.request import Request
-from pdserve import wire
-from pdserve.wire import CallerGoneError
+from pdserve import grpc_convert
+from pdserve.grpc_convert import CallerGoneError
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
@@ -53,7 +53,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self.engine.on_computed = self._ship_finished_blocks
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext):
-        with self.runtime.serving(context), wire.statuses(context):
+        with self.runtime.serving(context), grpc_convert.statuses(context):
             return self._prefill(request, context)
 
     def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext):
@@ -66,7 +66,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         # forks the others), the one after the output a moved request had already; stop
         # rules are the decode's job, but that token obeys min_tokens too (EOS and stop
         # tokens suppressed).
-        asked = wire.sampling_params(request.params)
+        asked = grpc_convert.sampling_params(request.params)
         num_prior = request.num_prior_output_tokens
         num_through_first = num_prior + 1
         params = replace(asked, max_tokens=num_through_first,
@@ -131,7 +131,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             transfer_s=job.fetched.seconds + transfer,
             sampler_state=job.sampler_state,
             first_token_logprobs=(
-                wire.logprobs_proto(final.logprobs[0]) if final.logprobs else None
+                grpc_convert.logprobs_proto(final.logprobs[0]) if final.logprobs else None
             ),
         )
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import hmac
 
-from router.errors import Unauthorized
+from router.errors import UnauthorizedError
 
 
 def check_bearer(authorization: str, api_key: str | None) -> None:
-    """Raises Unauthorized unless the header carries the key (or no key is configured)."""
+    """Raises UnauthorizedError unless the header carries the key (or no key is configured)."""
     if api_key is None:
         return
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(
         token.strip().encode(), api_key.encode()
     ):
-        raise Unauthorized()
+        raise UnauthorizedError()

@@ -22,32 +22,32 @@ class RouterError(Exception):
         self.code = code
 
 
-class InvalidRequest(RouterError):
+class InvalidRequestError(RouterError):
     pass
 
 
-class PromptTooLong(InvalidRequest):
+class PromptTooLongError(InvalidRequestError):
     def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
-class BodyTooLarge(RouterError):
+class BodyTooLargeError(RouterError):
     def __init__(self, num_bytes: int, max_bytes: int) -> None:
         super().__init__(f"request body of {num_bytes} bytes is over the {max_bytes}-byte limit")
 
 
-class Unauthorized(RouterError):
+class UnauthorizedError(RouterError):
     def __init__(self) -> None:
         super().__init__(
             "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
         )
 
 
-class NotFound(RouterError):
+class NotFoundError(RouterError):
     pass
 
 
-class Overloaded(RouterError):
+class OverloadedError(RouterError):
     """Backpressure: retry after retry_after_s (Retry-After / grpc-retry-pushback-ms)."""
 
     def __init__(self, reason: RejectReason, message: str, retry_after_s: float) -> None:
@@ -60,11 +60,11 @@ class Overloaded(RouterError):
         return str(max(1, math.ceil(self.retry_after_s)))
 
 
-class Unavailable(RouterError):
+class UnavailableError(RouterError):
     """No worker can take the request (none registered, or the chosen one failed)."""
 
 
-class WorkerLost(Unavailable):
+class WorkerLostError(UnavailableError):
     """The decode worker went away mid-request (connection lost, stream cut short, request
     aborted): the request may move to another worker (gateway.Run migrates it)."""
 
@@ -73,7 +73,7 @@ class UpstreamError(RouterError):
     """A worker answered with an error that is neither the client's fault nor load."""
 
 
-class DeadlineExceeded(RouterError):
+class DeadlineExceededError(RouterError):
     """The request's deadline (--request-timeout-s, or the gRPC client's own) passed."""
 
     def __init__(self, message: str) -> None:
@@ -89,14 +89,14 @@ class Status:
 
 # The one mapping; the first class that matches wins.
 _STATUS: list[tuple[type[RouterError], Status]] = [
-    (InvalidRequest, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
-    (Unauthorized, Status(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)),
-    (NotFound, Status(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)),
-    (BodyTooLarge, Status(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
-    (Overloaded, Status(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)),
+    (InvalidRequestError, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
+    (UnauthorizedError, Status(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)),
+    (NotFoundError, Status(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND)),
+    (BodyTooLargeError, Status(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
+    (OverloadedError, Status(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)),
     (UpstreamError, Status(502, "api_error", grpc.StatusCode.INTERNAL)),
-    (DeadlineExceeded, Status(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)),
-    (Unavailable, Status(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE)),
+    (DeadlineExceededError, Status(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)),
+    (UnavailableError, Status(503, "service_unavailable", grpc.StatusCode.UNAVAILABLE)),
 ]
 INTERNAL = Status(500, "api_error", grpc.StatusCode.INTERNAL)
 

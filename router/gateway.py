@@ -14,24 +14,25 @@ from typing import Any
 
 import grpc
 
-from engine import InvalidRequestError, SamplingParams
+from engine import SamplingParams
+from engine import errors as engine_errors
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.prefix_hash import prompt_block_hashes
 from engine.tokenizer import TextTokenizer
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.registry import ROLES
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from router import metrics
 from router.admission import Admission, Lease
 from router.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    Overloaded,
-    PromptTooLong,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    PromptTooLongError,
     RouterError,
-    Unavailable,
-    WorkerLost,
+    UnavailableError,
+    WorkerLostError,
 )
 from router.migration import ResumedText
 from router.settings import RouterSettings
@@ -59,12 +60,12 @@ class Job:
     params: SamplingParams
     received_s: float  # monotonic: the request reached the router
     tokenize_s: float
-    deadline_s: float  # monotonic: past it the request ends with DeadlineExceeded
+    deadline_s: float  # monotonic: past it the request ends with DeadlineExceededError
 
     def remaining_s(self, doing: str) -> float:
         remaining_s = self.deadline_s - time.monotonic()
         if remaining_s <= 0:
-            raise DeadlineExceeded(f"the request's deadline passed {doing}")
+            raise DeadlineExceededError(f"the request's deadline passed {doing}")
         return remaining_s
 
 
@@ -83,14 +84,14 @@ class Gateway:
         """The smallest context among registered workers (every request must fit anywhere)."""
         lengths = [w.max_model_len for role in ROLES for w in self.pool.infos(role)]
         if not lengths:
-            raise Unavailable("no worker is registered; retry when one is up")
+            raise UnavailableError("no worker is registered; retry when one is up")
         return min(lengths)
 
     def chat_template(self) -> ChatTemplate:
         try:
             return self.tokenizer.chat()
         except ChatTemplateError as e:
-            raise InvalidRequest(str(e), param="messages") from e
+            raise InvalidRequestError(str(e), param="messages") from e
 
     async def render_chat(
         self, template: ChatTemplate, messages: list[dict[str, Any]], **options: Any
@@ -99,7 +100,7 @@ class Gateway:
         try:
             return await asyncio.to_thread(template.render, messages, **options)
         except ChatTemplateError as e:
-            raise InvalidRequest(str(e), param="messages") from e
+            raise InvalidRequestError(str(e), param="messages") from e
 
     def token_text(self, token_id: int) -> str:
         """One token's text in logprobs: special tokens shown, as vLLM shows them."""
@@ -111,7 +112,9 @@ class Gateway:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # lone surrogates from JSON escapes
-            raise InvalidRequest(f"{param} is not valid Unicode: {e.reason}", param=param) from e
+            raise InvalidRequestError(
+                f"{param} is not valid Unicode: {e.reason}", param=param
+            ) from e
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def job(
@@ -123,19 +126,19 @@ class Gateway:
         (a gRPC deadline) when that is sooner."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
-            raise InvalidRequest(f"{param} is empty", param=param)
+            raise InvalidRequestError(f"{param} is empty", param=param)
         context = self.max_model_len()
         max_prompt = min(self.settings.max_prompt_tokens or context - 1, context - 1)
         if num_prompt > max_prompt:
-            raise PromptTooLong(
+            raise PromptTooLongError(
                 f"{param} has {num_prompt} tokens; this server takes at most {max_prompt}", param
             )
         try:
             params = make_params(context - num_prompt)
-        except InvalidRequestError as e:
-            raise InvalidRequest(str(e)) from e
+        except engine_errors.InvalidRequestError as e:
+            raise InvalidRequestError(str(e)) from e
         if num_prompt + params.max_tokens > context:
-            raise PromptTooLong(
+            raise PromptTooLongError(
                 f"this model's maximum context length is {context} tokens, but {num_prompt} "
                 f"prompt tokens + max_tokens {params.max_tokens} would need "
                 f"{num_prompt + params.max_tokens}", "max_tokens",
@@ -234,7 +237,7 @@ class Run:
             whole.logprobs.extend(message.logprobs)
             whole.text += message.text
             whole.finish_reason = message.finish_reason
-            wire.set_stop_reason(whole, wire.stop_reason_of(message))
+            grpc_convert.set_stop_reason(whole, grpc_convert.stop_reason_of(message))
             if message.HasField("ttft"):
                 ttft = message.ttft
             if message.HasField("usage"):
@@ -256,7 +259,9 @@ class Run:
             async with asyncio.timeout(job.remaining_s("before the request was admitted")):
                 self.lease = await gateway.admission.admit(ticket)
         except TimeoutError:
-            raise DeadlineExceeded("the request's deadline passed in the admission queue") from None
+            raise DeadlineExceededError(
+                "the request's deadline passed in the admission queue"
+            ) from None
         if self.predicted_ttft_s is None:
             self.predicted_ttft_s = self.lease.prediction.ttft_s
         # After a move, the worker counts the streamed tokens at the prompt's end as output.
@@ -264,7 +269,7 @@ class Run:
             request_id=ticket.request_id,
             prompt_token_ids=job.prompt_token_ids + self.output_token_ids,
             num_prior_output_tokens=len(self.output_token_ids),
-            params=wire.sampling_proto(job.params),
+            params=grpc_convert.sampling_proto(job.params),
             prefill_address=self.lease.prefill.address,
             router_queue_s=self.lease.queue_wait_s,
         )
@@ -276,10 +281,10 @@ class Run:
         while True:
             try:
                 message = await self._read()
-            except WorkerLost as lost:
+            except WorkerLostError as lost:
                 await self._move_on(lost, is_migration=True)
                 continue
-            except Overloaded as busy:
+            except OverloadedError as busy:
                 # A decode worker past its limits refuses before it has done anything: try
                 # the others; only when every one refuses does the client get the 429.
                 if busy.reason != "decode_kv" or self._leg_has_token:
@@ -296,9 +301,9 @@ class Run:
         except grpc.aio.AioRpcError as e:
             raise error_of(e, address) from e
         if message is grpc.aio.EOF:
-            raise WorkerLost(f"decode worker {address} ended the stream before it finished")
+            raise WorkerLostError(f"decode worker {address} ended the stream before it finished")
         if message.finish_reason == "abort":
-            raise WorkerLost(f"decode worker {address} aborted the request")
+            raise WorkerLostError(f"decode worker {address} aborted the request")
         return message
 
     async def _move_on(self, error: RouterError, *, is_migration: bool) -> None:
@@ -326,7 +331,9 @@ class Run:
         if all(w.worker_id in excluded for w in decoders):
             if not is_migration:
                 raise error
-            raise Unavailable(f"{error.message}; no other decode worker is left to continue it")
+            raise UnavailableError(
+                f"{error.message}; no other decode worker is left to continue it"
+            )
         if not is_migration:
             metrics.DECODE_REFUSALS.labels(lost_id).inc()
             log.info("%s: %s; trying another decode worker", self.job.ticket.request_id,

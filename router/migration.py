@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from engine import SamplingParams
 from engine.stop import OutputText
 from engine.tokenizer import IncrementalDetokenizer, TextTokenizer
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,9 @@ class ResumedText:
         out.logprobs.extend(message.logprobs[: len(out.token_ids)])
         if hit is not None:
             out.finish_reason = "stop"
-            wire.set_stop_reason(out, hit.reason)
+            grpc_convert.set_stop_reason(out, hit.reason)
         elif message.finish_reason:
             out.finish_reason = message.finish_reason
-            wire.set_stop_reason(out, wire.stop_reason_of(message))
+            grpc_convert.set_stop_reason(out, grpc_convert.stop_reason_of(message))
         out.text = self.output.release(self.params, finished=bool(out.finish_reason))
         return out

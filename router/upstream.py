@@ -10,12 +10,12 @@ from pdserve.tls import TLSFiles, channel_credentials
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from router.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    Overloaded,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
     RouterError,
     UpstreamError,
-    WorkerLost,
+    WorkerLostError,
 )
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
@@ -54,11 +54,11 @@ def error_of(error: grpc.aio.AioRpcError, address: str) -> RouterError:
     """A decode worker's status, as the router's client should see it."""
     code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(details)
+        return InvalidRequestError(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded("decode_kv", f"decode worker {address}: {details}", 1.0)
+        return OverloadedError("decode_kv", f"decode worker {address}: {details}", 1.0)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"the request's deadline passed on decode worker {address}")
+        return DeadlineExceededError(f"the request's deadline passed on decode worker {address}")
     if code == grpc.StatusCode.UNAVAILABLE:  # connection lost, or it could not serve it now
-        return WorkerLost(f"decode worker {address} is unavailable: {details}")
+        return WorkerLostError(f"decode worker {address} is unavailable: {details}")
     return UpstreamError(f"decode worker {address} failed: {code.name} {details}")

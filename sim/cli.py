@@ -50,7 +50,7 @@ def goodput(
     seed: Seed = 0,
     out: Out = "",
 ) -> None:
-    """PD-disaggregated vs colocated at equal GPU count: the highest rate meeting the SLOs."""
+    """PD-disaggregated vs aggregated at equal GPU count: the highest rate meeting the SLOs."""
     from sim import goodput as study
 
     out_dir = _out_dir(out, "goodput")

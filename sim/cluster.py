@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from engine import EngineConfig, SamplingParams
-from engine.errors import EngineError, InvalidRequestError
+from engine import errors as engine_errors
 from engine.request import Request, StepOutput
 from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import Role, WorkerInfo
 from router.admission import Admission, Lease
-from router.errors import InvalidRequest, Overloaded, Unavailable
+from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway
 from router.ledger import Ledger
 from router.routing import RoutingPolicies, build_policies
@@ -31,14 +31,14 @@ from sim.worker import CoreShare, SimWorker, WorkerSpec
 from sim.workload import ClosedLoop, OpenLoop, RequestSource, SimRequest
 
 T = TypeVar("T")
-Mode = Literal["pd", "colocated"]
+Mode = Literal["pd", "aggregated"]
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     mode: Mode
     workers: tuple[WorkerSpec, ...]
-    prefill_engine: EngineConfig  # prefill workers (and colocated ones)
+    prefill_engine: EngineConfig  # prefill workers (and aggregated ones)
     decode_engine: EngineConfig
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
@@ -130,7 +130,7 @@ class _Metered:
 
 @dataclass(slots=True)
 class _Recording:
-    """Colocated placement, prefill side: the real prefill policy, remembering its choice."""
+    """Aggregated placement, prefill side: the real prefill policy, remembering its choice."""
 
     policy: Policy
     chosen: str | None = None
@@ -143,7 +143,7 @@ class _Recording:
 
 @dataclass(slots=True)
 class _SameWorker:
-    """Colocated placement, decode side: the real decode policy's filters, on the worker the
+    """Aggregated placement, decode side: the real decode policy's filters, on the worker the
     prefill policy just chose (prefill and decode share its engine)."""
 
     policy: Policy
@@ -206,7 +206,7 @@ class Simulation:
             ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
         )
         policies = build_policies(config.routing, config.admission)
-        if config.mode == "colocated":
+        if config.mode == "aggregated":
             recording = _Recording(policies.prefill)
             policies = RoutingPolicies(recording, _SameWorker(policies.decode, recording))  # type: ignore[arg-type]
         self.admission = Admission(config.admission, self.pool, policies, clock=clock)
@@ -223,7 +223,7 @@ class Simulation:
     # ---- the control plane -----------------------------------------------------------------
     def roles_of(self, worker: SimWorker) -> tuple[Role, ...]:
         kind = worker.spec.kind
-        return ("prefill", "decode") if kind == "colocated" else (kind,)  # type: ignore[return-value]
+        return ("prefill", "decode") if kind == "aggregated" else (kind,)  # type: ignore[return-value]
 
     def _publish(self, worker: SimWorker) -> None:
         for role in self.roles_of(worker):
@@ -320,13 +320,13 @@ class Simulation:
                                  arrival_s=self.loop.time())  # fmt: skip
             record.bucket = ticket.bucket
             lease = await self.meter.run(self.admission.admit(ticket))
-        except InvalidRequest:
+        except InvalidRequestError:
             record.status = 400
             return record
-        except Overloaded as e:
+        except OverloadedError as e:
             record.status, record.reason = 429, e.reason
             return record
-        except Unavailable:
+        except UnavailableError:
             record.status = 503
             return record
         record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
@@ -342,19 +342,19 @@ class Simulation:
                           record: Record) -> None:  # fmt: skip
         hop = self.cost.hop_s
         sink = _Sink(self.loop.create_future(), self.loop.create_future())
-        await asyncio.sleep(hop)  # router -> the decode (or colocated) worker
+        await asyncio.sleep(hop)  # router -> the decode (or aggregated) worker
         worker = self.workers[lease.decode.worker_id]
         try:
-            if self.config.mode == "colocated":
+            if self.config.mode == "aggregated":
                 requests = [
                     worker.engine.add_request(request.request_id, request.prompt_token_ids, params)
                 ]
             else:
                 requests = await self._remote_prefill(request, params, lease, worker, sink)
-        except InvalidRequestError:
+        except engine_errors.InvalidRequestError:
             record.status = 400
             return
-        except EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
+        except engine_errors.EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
             record.status, record.reason = 429, "decode_kv"
             return
         if not sink.done.done():
@@ -386,7 +386,7 @@ class Simulation:
         try:
             prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
                                                          first_params)  # fmt: skip
-        except EngineError:
+        except engine_errors.EngineError:
             decode.engine.abort_request(rid)
             raise
         self._shipments[rid] = shipment

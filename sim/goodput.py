@@ -1,6 +1,6 @@
 """`pdserve sim goodput`: DistServe-style. At an equal GPU count, the highest Poisson request
 rate at which 90% of requests meet both a TTFT and a TPOT SLO, for PD-disaggregated clusters
-(every prefill:decode split) and for colocated workers, on a chatbot and a summarisation load."""
+(every prefill:decode split) and for aggregated workers, on a chatbot and a summarisation load."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def cost_model() -> RooflineCost:
 
 
 def cluster(num_prefill: int, num_workers: int, num_blocks: int) -> ClusterConfig:
-    """num_prefill 0: every worker colocated."""
+    """num_prefill 0: every worker aggregated."""
     engine = EngineConfig(num_blocks=num_blocks, max_num_seqs=256, chunk_size=512)
     if num_prefill == 0:
-        specs = tuple(WorkerSpec(f"c{i}", "colocated") for i in range(num_workers))
-        return ClusterConfig("colocated", specs, engine, engine)
+        specs = tuple(WorkerSpec(f"c{i}", "aggregated") for i in range(num_workers))
+        return ClusterConfig("aggregated", specs, engine, engine)
     specs = tuple(WorkerSpec(f"p{i}", "prefill") for i in range(num_prefill)) + tuple(
         WorkerSpec(f"d{i}", "decode") for i in range(num_workers - num_prefill)
     )
@@ -111,26 +111,26 @@ def run(num_gpus: int = 8, num_requests: int = 500, seed: int = 0,
     for workload in workloads:
         rates: dict[str, float] = {}
         start, total_runs = 4.0, 0
-        for num_prefill in range(num_workers):  # 0: colocated
+        for num_prefill in range(num_workers):  # 0: aggregated
             num_decode = num_workers - num_prefill
-            label = "colocated" if num_prefill == 0 else f"{num_prefill}P:{num_decode}D"
+            label = "aggregated" if num_prefill == 0 else f"{num_prefill}P:{num_decode}D"
             rate, runs = max_rate(cluster(num_prefill, num_workers, num_blocks), workload, cost,
                                   start, num_requests, seed)  # fmt: skip
             rates[label] = round(rate, 3)
             total_runs += runs
             start = max(rate, 0.5)
-        pd = {k: v for k, v in rates.items() if k != "colocated"}
+        pd = {k: v for k, v in rates.items() if k != "aggregated"}
         best = max(pd, key=lambda k: pd[k])
         out["workloads"][workload.name] = {
             "slo": {"ttft_s": workload.ttft_slo_s, "tpot_s": workload.tpot_slo_s},
             "goodput_req_per_s": rates,
             "best_pd_ratio": best,
-            "pd_vs_colocated": round(pd[best] / rates["colocated"], 3)
-            if rates["colocated"]
+            "pd_vs_aggregated": round(pd[best] / rates["aggregated"], 3)
+            if rates["aggregated"]
             else None,
             "per_gpu_goodput": {
                 "pd_best": round(pd[best] / num_gpus, 3),
-                "colocated": round(rates["colocated"] / num_gpus, 3),
+                "aggregated": round(rates["aggregated"] / num_gpus, 3),
             },  # fmt: skip
             "simulations": total_runs,
         }
@@ -146,5 +146,5 @@ def table(out: dict[str, Any]) -> str:
         for label, rate in w["goodput_req_per_s"].items():
             mark = "  <- best PD" if label == w["best_pd_ratio"] else ""
             lines.append(f"  {label:>10}: {rate:7.2f} req/s{mark}")
-        lines.append(f"  PD (best) / colocated: {w['pd_vs_colocated']}")
+        lines.append(f"  PD (best) / aggregated: {w['pd_vs_aggregated']}")
     return "\n".join(lines)

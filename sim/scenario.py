@@ -45,7 +45,7 @@ class Result:
         return [r for r in self.records if r.status == 200]
 
     def placement_pool(self) -> list[SimWorker]:
-        """The workers placement spreads prompts over: prefill workers, or all colocated."""
+        """The workers placement spreads prompts over: prefill workers, or all aggregated."""
         return [w for w in self.workers.values() if w.spec.kind != "decode"]
 
     def utilisation(self) -> dict[str, float]:

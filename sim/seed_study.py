@@ -3,7 +3,7 @@ slower), each step one change of our own settings, as ratios to our own baseline
 
 The study: a 70B dense model on 8 x 80 GB GPUs, 32 closed-loop clients, 70% short (64-256) /
 30% long (1024-4096) prompts. Here: Llama-3-70B with 4-bit weights (bf16 ones do not fit one
-80 GB card) on the H100 roofline, each GPU a colocated worker (prefill and decode in one
+80 GB card) on the H100 roofline, each GPU an aggregated worker (prefill and decode in one
 engine, as in the study), the real router placing requests on them.
 """
 
@@ -44,7 +44,7 @@ def cost_model() -> RooflineCost:
 
 def workers() -> tuple[WorkerSpec, ...]:
     return tuple(
-        WorkerSpec(f"gpu{i}", "colocated", SLOW_WORKER_FACTOR if i == NUM_WORKERS - 1 else 1.0)
+        WorkerSpec(f"gpu{i}", "aggregated", SLOW_WORKER_FACTOR if i == NUM_WORKERS - 1 else 1.0)
         for i in range(NUM_WORKERS)
     )
 
@@ -63,7 +63,7 @@ def step_config(step: str, num_blocks: int) -> ClusterConfig:
         mode="fifo", kv_output_reserve_tokens=128 if index >= 3 else 1 << 20
     )
     routing = RoutingSettings(policy="watermark" if index >= 2 else "hash")
-    return ClusterConfig("colocated", workers(), engine, engine, admission, routing)
+    return ClusterConfig("aggregated", workers(), engine, engine, admission, routing)
 
 
 def run(num_requests: int = 1200, seed: int = 0, plots_dir: Path | None = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from engine.scheduler import ScheduledRequest
 from pdserve.registry import Role, WorkerInfo, WorkerLoad
 from sim.costs import CostModel, StepShape
 
-WorkerKind = Literal["prefill", "decode", "colocated"]
+WorkerKind = Literal["prefill", "decode", "aggregated"]
 OUTPUT_TOKEN_ID = 100  # every generated token; requests set ignore_eos, so length decides
 EOS_TOKEN_ID = 2
 

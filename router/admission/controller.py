@@ -23,7 +23,7 @@ from router.admission import metrics as admission_metrics
 from router.admission.drain import DrainRates
 from router.admission.queue import AdmissionQueue
 from router.admission.ttft_error import TTFTCorrections
-from router.errors import InvalidRequest, Overloaded, RejectReason, Unavailable
+from router.errors import InvalidRequestError, OverloadedError, RejectReason, UnavailableError
 from router.ledger import Assignment
 from router.prefix_index import PrefixIndex
 from router.routing import RoutingPolicies
@@ -91,8 +91,8 @@ class Admission:
         self.ttft_corrections = TTFTCorrections(1.0 if slo_s is None else 0.5 * slo_s)
 
     async def admit(self, ticket: Ticket) -> Lease:
-        """Waits for the request's turn; raises Overloaded or Unavailable instead of queueing
-        when it cannot be served in time."""
+        """Waits for the request's turn; raises OverloadedError or UnavailableError instead of
+        queueing when it cannot be served in time."""
         self._check_pools(ticket)
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = future
@@ -188,7 +188,7 @@ class Admission:
         ticket as the prefill worker was chosen by. With a prefix index the decode worker comes
         first: a prefill worker that fetches can read the prefix it holds
         (Ticket.held_prefix_tokens). Without one, the prefill worker does (the simulator's
-        colocated placement follows the prefill policy's choice)."""
+        aggregated placement follows the prefill policy's choice)."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
             worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
@@ -263,7 +263,7 @@ class Admission:
         if not self.pool.serving():
             for role in ("prefill", "decode"):
                 if not self.pool.infos(role):
-                    raise Unavailable(
+                    raise UnavailableError(
                         f"no {role} worker (and no aggregated worker) is registered; retry "
                         "when one is up"
                     )
@@ -287,7 +287,7 @@ class Admission:
         if ticket.num_kv_blocks <= largest:
             return
         samples = f" for each of its {ticket.num_seqs} samples" if ticket.num_seqs > 1 else ""
-        raise InvalidRequest(
+        raise InvalidRequestError(
             f"this request needs {ticket.num_kv_blocks} KV blocks of "
             f"{self.settings.kv_block_size} tokens (its {ticket.num_prompt_tokens}-token prompt "
             f"and an output reserve{samples}), the largest decode worker has {largest}",
@@ -334,9 +334,9 @@ class Admission:
 
     def _reject(
         self, ticket: Ticket, reason: RejectReason, message: str, retry_after_s: float
-    ) -> Overloaded:
+    ) -> OverloadedError:
         metrics.REJECTIONS.labels(reason, ticket.bucket).inc()
-        return Overloaded(reason, message, retry_after_s)
+        return OverloadedError(reason, message, retry_after_s)
 
     def _observe_depth(self) -> None:
         for bucket in LENGTH_BUCKETS:

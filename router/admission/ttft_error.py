@@ -2,7 +2,7 @@
 
 The prediction counts prompt tokens in front of a request at the prefill speed; what a
 request sees also holds the KV transfer, the decode worker's first step and the cores a
-colocated decode batch takes from prefill, none of which the prediction models. So the
+aggregated decode batch takes from prefill, none of which the prediction models. So the
 router learns one factor per pool, observed / predicted, and multiplies its predictions by it
 before it sheds by them. The factor is a ratio of smoothed sums, not a mean of ratios: a long
 wait weighs more than a short one, which is what the shedding decision is about.

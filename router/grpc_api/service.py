@@ -9,12 +9,12 @@ from typing import NoReturn
 
 import grpc
 
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router import metrics
 from router.auth import check_bearer
-from router.errors import InvalidRequest, Overloaded, RouterError, status_of
+from router.errors import InvalidRequestError, OverloadedError, RouterError, status_of
 from router.gateway import Gateway, Run
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -69,14 +69,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             _authorize(context, gateway.settings.api_key)
             kind = request.WhichOneof("prompt")
             if kind is None:
-                raise InvalidRequest("the request has no prompt: set text or token_ids")
+                raise InvalidRequestError("the request has no prompt: set text or token_ids")
             ids = (
                 await gateway.tokenize(request.text)
                 if kind == "text"
                 else list(request.token_ids.ids)
             )
             job = gateway.job(
-                ids, lambda room: wire.sampling_params(request.params), received_s,
+                ids, lambda room: grpc_convert.sampling_params(request.params), received_s,
                 client_timeout_s=context.time_remaining(),
             )  # fmt: skip
             run = await gateway.open(job)
@@ -94,6 +94,6 @@ async def _abort(context: grpc.aio.ServicerContext, error: RouterError, method: 
     code = status_of(error).grpc
     metrics.REQUESTS.labels(f"grpc/{method}", code.name).inc()
     trailers: tuple[tuple[str, str], ...] = ()
-    if isinstance(error, Overloaded):  # gRPC's retry policies honour this pushback
+    if isinstance(error, OverloadedError):  # gRPC's retry policies honour this pushback
         trailers = (("grpc-retry-pushback-ms", str(int(error.retry_after_s * 1000))),)
     await context.abort(code, error.message, trailing_metadata=trailers)

@@ -14,11 +14,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from engine import SamplingParams
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.registry import ROLES
 from router import metrics
 from router.auth import check_bearer
-from router.errors import Overloaded, RouterError, status_of
+from router.errors import OverloadedError, RouterError, status_of
 from router.gateway import Gateway, Job
 from router.http_api import chat
 from router.http_api.body_limit import BodyLimit
@@ -39,7 +39,9 @@ PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-s"
 
 def error_response(error: RouterError) -> JSONResponse:
     status = status_of(error)
-    headers = {"Retry-After": error.retry_after_header} if isinstance(error, Overloaded) else {}
+    headers = (
+        {"Retry-After": error.retry_after_header} if isinstance(error, OverloadedError) else {}
+    )
     return JSONResponse(error_json(error, status), status.http, headers)
 
 
@@ -183,7 +185,7 @@ async def _respond(
             sample.index,
             echo + sample.text,
             sample.finish_reason,
-            wire.stop_reason_of(sample),
+            grpc_convert.stop_reason_of(sample),
             logprobs[sample.index].json(sample.logprobs) if logprobs else None,
         )
         for sample in whole.samples

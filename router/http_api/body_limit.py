@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import BodyTooLarge
+from router.errors import BodyTooLargeError
 
 
 class BodyLimit:
     def __init__(
-        self, app: ASGIApp, max_bytes: int, reject: Callable[[BodyTooLarge], ASGIApp]
+        self, app: ASGIApp, max_bytes: int, reject: Callable[[BodyTooLargeError], ASGIApp]
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
@@ -24,7 +24,9 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self.reject(BodyTooLarge(int(declared), self.max_bytes))(scope, receive, send)
+            await self.reject(BodyTooLargeError(int(declared), self.max_bytes))(
+                scope, receive, send
+            )
             return
         num_received = 0
 
@@ -34,7 +36,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > self.max_bytes:  # the handler's error mapping answers 413
-                    raise BodyTooLarge(num_received, self.max_bytes)
+                    raise BodyTooLargeError(num_received, self.max_bytes)
             return message
 
         await self.app(scope, limited_receive, send)

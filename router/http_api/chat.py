@@ -8,14 +8,14 @@ import json
 from typing import Any
 
 from engine.chat_template import RESERVED, ChatTemplate
-from router.errors import InvalidRequest
+from router.errors import InvalidRequestError
 from router.http_api.schemas import ChatBody, ChatMessage, ChatTemplateFields, NamedToolChoice
 
 
 def template_options(body: ChatTemplateFields, template: ChatTemplate) -> dict[str, Any]:
     """ChatTemplate.render's keyword arguments for this request."""
     if body.continue_final_message and body.add_generation_prompt:
-        raise InvalidRequest(
+        raise InvalidRequestError(
             "continue_final_message and add_generation_prompt cannot both be true: the reply "
             "either continues the final message or starts a new one", param="add_generation_prompt",
         )  # fmt: skip
@@ -44,9 +44,11 @@ def _optional_inputs(body: ChatTemplateFields, template: ChatTemplate) -> dict[s
     choice = body.tool_choice
     if choice is not None and choice != "none":
         if tools is None:
-            raise InvalidRequest(f"tool_choice {_name(choice)} needs tools", param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice {_name(choice)} needs tools", param="tool_choice"
+            )
         if choice != "auto":  # "required" or a named function: the output would be forced
-            raise InvalidRequest(
+            raise InvalidRequestError(
                 f"tool_choice {_name(choice)} is not supported: the model's output is not "
                 "constrained to a tool call; send \"auto\" or \"none\"", param="tool_choice",
             )  # fmt: skip
@@ -54,7 +56,7 @@ def _optional_inputs(body: ChatTemplateFields, template: ChatTemplate) -> dict[s
               "reasoning_effort": body.reasoning_effort}  # fmt: skip
     for name, value in inputs.items():
         if value is not None and not template.reads(name):
-            raise InvalidRequest(
+            raise InvalidRequestError(
                 f"{name}: this model's chat template does not read `{name}`", param=name
             )
     return {name: value for name, value in inputs.items() if value is not None}
@@ -64,10 +66,10 @@ def _template_kwargs(body: ChatTemplateFields, template: ChatTemplate) -> dict[s
     kwargs = body.chat_template_kwargs or {}
     for key in kwargs:
         if key in RESERVED:
-            raise InvalidRequest(f"chat_template_kwargs: {key!r} is set by the request itself",
-                                 param="chat_template_kwargs")  # fmt: skip
+            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is set by the request itself",
+                                      param="chat_template_kwargs")  # fmt: skip
         if not template.reads(key):
-            raise InvalidRequest(
+            raise InvalidRequestError(
                 f"chat_template_kwargs: this model's chat template does not read {key!r}",
                 param="chat_template_kwargs",
             )
@@ -103,7 +105,9 @@ def _arguments(arguments: str, param: str) -> Any:
     try:
         return json.loads(arguments)
     except ValueError as e:
-        raise InvalidRequest(f"{param}: function arguments are not JSON: {e}", param=param) from e
+        raise InvalidRequestError(
+            f"{param}: function arguments are not JSON: {e}", param=param
+        ) from e
 
 
 def _name(choice: str | NamedToolChoice) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.params import Depends
 
-from router.errors import InvalidRequest, NotFound, Unavailable
+from router.errors import InvalidRequestError, NotFoundError, UnavailableError
 from router.gateway import Gateway
 from router.http_api import chat
 from router.http_api.schemas import (
@@ -63,8 +63,9 @@ def info_routes(gateway: Gateway, guarded: Sequence[Depends]) -> APIRouter:
         vocab_size = gateway.tokenizer.vocab_size
         for i, token_id in enumerate(body.tokens):
             if token_id >= vocab_size:
-                raise InvalidRequest(f"tokens.{i}: {token_id} is not a token id (the vocabulary "
-                                     f"has {vocab_size})", param=f"tokens.{i}")  # fmt: skip
+                raise InvalidRequestError(f"tokens.{i}: {token_id} is not a token id (the "
+                                          f"vocabulary has {vocab_size})",
+                                          param=f"tokens.{i}")  # fmt: skip
         return {"prompt": gateway.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return routes
@@ -88,7 +89,7 @@ def pdserve_version() -> str:
 def _card(gateway: Gateway) -> dict[str, Any]:
     try:
         max_model_len: int | None = gateway.max_model_len()
-    except Unavailable:  # no worker registered yet: the context is not known
+    except UnavailableError:  # no worker registered yet: the context is not known
         max_model_len = None
     return {"id": gateway.settings.model, "object": "model", "created": 0, "owned_by": "pdserve",
             "root": gateway.settings.model, "max_model_len": max_model_len}  # fmt: skip
@@ -97,5 +98,5 @@ def _card(gateway: Gateway) -> dict[str, Any]:
 def check_model(requested: str | None, model: str) -> None:
     """The one model this router serves, or a 404 naming it."""
     if requested is not None and requested != model:
-        raise NotFound(f"model {requested!r} does not exist; this server serves {model!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise NotFoundError(f"model {requested!r} does not exist; this server serves {model!r}",
+                            param="model", code="model_not_found")  # fmt: skip

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import InvalidRequest
+from router.errors import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +91,12 @@ CHAT = (
 
 
 def refuse(data: dict[str, Any], refused: Iterable[Refused]) -> None:
-    """Raises InvalidRequest for the first refused field the request sets to a value that
+    """Raises InvalidRequestError for the first refused field the request sets to a value that
     asks for something."""
     for field in refused:
         value = _lookup(data, field.name)
         if value is not _MISSING and not _is_no_op(value, field.no_op):
-            raise InvalidRequest(
+            raise InvalidRequestError(
                 f"{field.name} is not supported by this server ({field.why})", param=field.name
             )
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import InvalidRequest
+from router.errors import InvalidRequestError
 
 HEADER = "x-request-id"
 # It goes into logs and response ids: visible ASCII only, and not a novel.
@@ -20,14 +20,14 @@ VALID = re.compile(r"[\x21-\x7e]{1,128}")
 
 def check_request_id(request_id: str, where: str) -> str:
     if not VALID.fullmatch(request_id):
-        raise InvalidRequest(
+        raise InvalidRequestError(
             f"{where} must be 1 to 128 visible ASCII characters", param=where.lower()
         )
     return request_id
 
 
 class RequestId:
-    def __init__(self, app: ASGIApp, reject: Callable[[InvalidRequest], ASGIApp]) -> None:
+    def __init__(self, app: ASGIApp, reject: Callable[[InvalidRequestError], ASGIApp]) -> None:
         self.app = app
         self.reject = reject  # the error response, as an ASGI app
 
@@ -42,7 +42,7 @@ class RequestId:
         try:
             if given is not None:
                 state["request_id"] = check_request_id(given.decode("latin-1"), "X-Request-Id")
-        except InvalidRequest as e:
+        except InvalidRequestError as e:
             await self.reject(e)(scope, receive, self._with_id(state, send))
             return
         await self.app(scope, receive, self._with_id(state, send))

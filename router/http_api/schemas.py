@@ -7,10 +7,10 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.errors import InvalidRequestError
+from engine import errors as engine_errors
 from engine.grammar import grammar_of
 from engine.sampling_params import MAX_N, GrammarKind, StructuredOutput
-from router.errors import InvalidRequest
+from router.errors import InvalidRequestError
 from router.http_api import refused as refused_fields
 from router.http_api.refused import Refused
 
@@ -68,7 +68,7 @@ class StructuredFields(_Body):
         """The request's constraint, checked (a 400 naming the field that holds it)."""
         given = [(param, c) for param, c in self._constraints() if c is not None]
         if len(given) > 1:
-            raise InvalidRequest(
+            raise InvalidRequestError(
                 f"one structured output constraint per request: {given[0][0]} and {given[1][0]}"
                 " are both set", param=given[1][0],
             )  # fmt: skip
@@ -77,8 +77,8 @@ class StructuredFields(_Body):
         param, constraint = given[0]
         try:
             grammar_of(constraint)
-        except InvalidRequestError as e:
-            raise InvalidRequest(f"{param}: {e}", param=param) from e
+        except engine_errors.InvalidRequestError as e:
+            raise InvalidRequestError(f"{param}: {e}", param=param) from e
         return constraint
 
     def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
@@ -104,8 +104,8 @@ def _response_format(response_format: ResponseFormat | None) -> StructuredOutput
     if response_format.type == "json_object":
         return StructuredOutput("json_object")
     if response_format.json_schema is None or response_format.json_schema.schema_ is None:
-        raise InvalidRequest("response_format json_schema needs json_schema.schema",
-                             param="response_format.json_schema")  # fmt: skip
+        raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                  param="response_format.json_schema")  # fmt: skip
     return _json_schema(response_format.json_schema.schema_)
 
 
@@ -213,7 +213,7 @@ class CompletionBody(GenerationBody):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise InvalidRequest(
+                raise InvalidRequestError(
                     f"{len(prompt)} prompts in one request: send one prompt", param="prompt"
                 )
             return prompt[0]
@@ -247,7 +247,7 @@ class ChatMessage(_Body):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         if any(part.type != "text" or part.text is None for part in self.content):
-            raise InvalidRequest("only text content parts are supported", param="messages")
+            raise InvalidRequestError("only text content parts are supported", param="messages")
         return "".join(part.text or "" for part in self.content)
 
 
@@ -297,7 +297,7 @@ class ChatBody(GenerationBody, ChatTemplateFields):
         if self.max_completion_tokens is not None:  # the newer name wins, as in OpenAI's API
             fields["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
         return fields
@@ -340,13 +340,15 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
-        raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start}: {e.reason})") from e
+        raise InvalidRequestError(
+            f"request body is not valid UTF-8 (byte {e.start}: {e.reason})"
+        ) from e
     except ValueError as e:  # JSONDecodeError, and NaN / Infinity
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+        raise InvalidRequestError(f"request body is not valid JSON: {e}") from e
     except RecursionError as e:
-        raise InvalidRequest("request body is nested too deeply") from e
+        raise InvalidRequestError("request body is nested too deeply") from e
     if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidRequestError("request body must be a JSON object")
     return data
 
 
@@ -357,7 +359,7 @@ def _validate(data: dict[str, Any], model: type[M]) -> M:
     except ValidationError as e:
         error = e.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
-        raise InvalidRequest(f"{where}: {error['msg']}", param=where) from e
+        raise InvalidRequestError(f"{where}: {error['msg']}", param=where) from e
 
 
 def _reject_constant(name: str) -> float:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
 from router.errors import RouterError, status_of
 from router.gateway import Run
@@ -70,7 +70,7 @@ async def sse_events(
             index = message.index
             pending[index].extend(message.logprobs)
             if message.text or message.finish_reason:
-                stop_reason = wire.stop_reason_of(message)
+                stop_reason = grpc_convert.stop_reason_of(message)
                 logprobs = None
                 if responder.logprobs:
                     logprobs = responder.logprobs[index].json(pending[index])

@@ -8,7 +8,7 @@ import pytest
 from router_harness import Clock, pool_of, ticket, worker
 
 from router.admission import Admission, AdmissionQueue
-from router.errors import InvalidRequest, Overloaded, Unavailable
+from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 from router.ticket import kv_blocks_held
@@ -122,7 +122,7 @@ def test_queue_full_rejects_at_once_with_retry_after():
         await adm.admit(ticket("busy", 1000))
         queued = asyncio.ensure_future(adm.admit(ticket("queued", 500)))
         await asyncio.sleep(0)
-        with pytest.raises(Overloaded) as rejected:
+        with pytest.raises(OverloadedError) as rejected:
             await adm.admit(ticket("excess", 500))
         assert rejected.value.reason == "queue_full"
         # 1000 in the worker + 500 queued ahead + its own 500, less the 1-token budget.
@@ -138,7 +138,7 @@ def test_estimated_wait_over_the_limit_rejects_at_once():
     async def scenario() -> None:
         adm = admission(*ONE_OF_EACH, prefill_token_budget=1000, max_queue_wait_s=2.0)
         await adm.admit(ticket("busy", 2500))  # 2500 queued tokens at 1000 tokens/s
-        with pytest.raises(Overloaded) as rejected:
+        with pytest.raises(OverloadedError) as rejected:
             await adm.admit(ticket("excess", 600))
         assert rejected.value.reason == "queue_wait"
         assert adm.estimated_wait_s(ticket("probe", 600)) == pytest.approx(2.1)
@@ -157,16 +157,16 @@ def test_queue_timeout_and_kv_headroom_and_no_workers():
     async def scenario() -> None:
         adm = admission(*ONE_OF_EACH, prefill_token_budget=1, queue_timeout_s=0.05)
         await adm.admit(ticket("busy", 100))
-        with pytest.raises(Overloaded) as timed_out:
+        with pytest.raises(OverloadedError) as timed_out:
             await adm.admit(ticket("late", 100))
         assert timed_out.value.reason == "queue_timeout" and len(adm.queue) == 0
 
         full = admission(worker("prefill", "p"), worker("decode", "d", free_blocks=40))
-        with pytest.raises(Overloaded) as no_kv:
+        with pytest.raises(OverloadedError) as no_kv:
             await full.admit(ticket("r", 100))
         assert no_kv.value.reason == "kv_headroom"
 
-        with pytest.raises(Unavailable):
+        with pytest.raises(UnavailableError):
             await admission(worker("prefill", "p")).admit(ticket("r", 100))
 
     asyncio.run(scenario())
@@ -186,7 +186,7 @@ def test_a_kv_hold_larger_than_every_decode_worker_is_refused_at_once(huge, need
     async def scenario() -> None:
         adm = admission(worker("prefill", "p"), worker("decode", "d1", total_blocks=512,
                         free_blocks=512), worker("decode", "d2"))  # fmt: skip
-        with pytest.raises(InvalidRequest) as refused:
+        with pytest.raises(InvalidRequestError) as refused:
             await adm.admit(huge)
         assert refused.value.message == (
             f"this request needs {needs}, the largest decode worker has 1024"
@@ -203,13 +203,13 @@ def test_a_hold_that_fits_an_idle_worker_waits_and_an_unknown_capacity_refuses_n
         # 975 blocks: the worker could hold them, once they are free (a busy pool).
         busy = admission(worker("prefill", "p"), worker("decode", "d", free_blocks=900),
                          queue_timeout_s=0.05)  # fmt: skip
-        with pytest.raises(Overloaded) as waited:
+        with pytest.raises(OverloadedError) as waited:
             await busy.admit(ticket("wide", 100, max_tokens=800, num_seqs=19))
         assert waited.value.reason == "queue_timeout"
         # A worker that has not reported its capacity yet: no refusal on a guess.
         unknown = admission(worker("prefill", "p"), worker("decode", "d", free_blocks=0,
                             total_blocks=0), queue_timeout_s=0.05)  # fmt: skip
-        with pytest.raises(Overloaded) as waited:
+        with pytest.raises(OverloadedError) as waited:
             await unknown.admit(ticket("wide", 100, max_tokens=800, num_seqs=25))
         assert waited.value.reason == "queue_timeout"
 

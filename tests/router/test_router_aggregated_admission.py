@@ -9,7 +9,7 @@ import pytest
 from router_harness import Clock, ticket, worker
 
 from router.admission import Admission
-from router.errors import Overloaded, Unavailable
+from router.errors import OverloadedError, UnavailableError
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 from router.workers import WorkerPool
@@ -63,13 +63,13 @@ def test_mixed_cluster_routes_short_prompts_whole_and_longer_ones_split(num_prom
 
 def test_no_pool_that_can_serve_is_unavailable():
     async def scenario() -> None:
-        with pytest.raises(Unavailable) as missing:
+        with pytest.raises(UnavailableError) as missing:
             await admission(worker("decode", "d")).admit(ticket("r", 100))
         assert missing.value.message == (
             "no prefill worker (and no aggregated worker) is registered; retry when one is up"
         )
         full = admission(worker("aggregated", "a", free_blocks=40))
-        with pytest.raises(Overloaded) as no_kv:
+        with pytest.raises(OverloadedError) as no_kv:
             await full.admit(ticket("r", 100))
         assert no_kv.value.reason == "kv_headroom"
 
@@ -104,13 +104,13 @@ def test_predicted_ttft_over_the_slo_is_rejected_with_an_honest_retry_after():
     async def scenario() -> None:
         adm = admission(*SPLIT, prefill_token_budget=1000, ttft_slo_s=3.0)
         await adm.admit(ticket("busy", 2500))  # 2500 queued tokens at 1000 tokens/s
-        with pytest.raises(Overloaded) as rejected:
+        with pytest.raises(OverloadedError) as rejected:
             await adm.admit(ticket("excess", 600))
         assert rejected.value.reason == "queue_wait"
         # 2500 in front + its own 600 at 1000 tokens/s = 3.1 s predicted: 0.1 s over, so the
         # floor of 1 s; a later, bigger one is told what it is over by.
         assert rejected.value.retry_after_s == 1.0
-        with pytest.raises(Overloaded) as bigger:
+        with pytest.raises(OverloadedError) as bigger:
             await adm.admit(ticket("bigger", 2900))
         assert bigger.value.retry_after_s == pytest.approx(2.4)
         assert str(bigger.value) == (
@@ -137,7 +137,7 @@ def test_by_default_nothing_is_shed_by_prediction_only_past_the_queue_limit():
         waiting = [asyncio.ensure_future(adm.admit(ticket(f"w{i}", 600))) for i in range(3)]
         await asyncio.sleep(0)
         assert len(adm.queue) == 2 and not any(f.done() for f in waiting[:2])
-        with pytest.raises(Overloaded) as full:
+        with pytest.raises(OverloadedError) as full:
             waiting[2].result()
         # Its wait: 4000 + 1200 ahead + its own 600 beyond the 1000-token budget, at 100/s.
         assert (full.value.reason, str(full.value)) == (
@@ -155,7 +155,7 @@ def test_the_prediction_learns_what_requests_saw_and_sheds_by_it():
     to sample) doubles the next predictions: a request modelled at 8 s is shed under a 10 s
     objective, 16 s predicted."""
 
-    async def scenario() -> tuple[float, float, Overloaded]:
+    async def scenario() -> tuple[float, float, OverloadedError]:
         clock = Clock()
         slow = worker("prefill", "p", tokens_per_s=100)
         adm = admission(slow, worker("decode", "d"), clock=clock, prefill_token_budget=500,
@@ -167,7 +167,7 @@ def test_the_prediction_learns_what_requests_saw_and_sheds_by_it():
         lease.end_prefill()
         again = await adm.admit(ticket("again", 500))
         after_s = adm.predicted_ttft_s(probe)
-        with pytest.raises(Overloaded) as rejected:
+        with pytest.raises(OverloadedError) as rejected:
             await adm.admit(probe)
         again.end()
         lease.end()
@@ -186,7 +186,7 @@ def test_the_tail_of_what_requests_saw_sheds_what_the_point_prediction_would_adm
     smoothed sums), the ratios' 99th percentile 1.546, so a request predicted at 8.48 s under a
     10 s objective is shed by its tail, 12.37 s; before those samples it would have queued."""
 
-    async def scenario() -> tuple[bool, Overloaded]:
+    async def scenario() -> tuple[bool, OverloadedError]:
         clock = Clock()
         slow = worker("prefill", "p", tokens_per_s=100)
         adm = admission(slow, worker("decode", "d"), clock=clock, prefill_token_budget=500,
@@ -203,7 +203,7 @@ def test_the_tail_of_what_requests_saw_sheds_what_the_point_prediction_would_adm
             lease.end_prefill()
             lease.end()
         busy = await adm.admit(ticket("busy-again", 500))
-        with pytest.raises(Overloaded) as rejected:
+        with pytest.raises(OverloadedError) as rejected:
             await adm.admit(ticket("probe-again", 300))
         busy.end()
         return queued_before, rejected.value

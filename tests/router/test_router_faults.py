@@ -22,7 +22,7 @@ from router_harness import MODEL, InProcessRouter, one_torch_thread, pool_of, sp
 from engine import SamplingParams
 from engine.stop import OutputText
 from engine.tokenizer import IncrementalDetokenizer
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router import metrics
@@ -285,7 +285,7 @@ def test_a_moved_request_counts_the_tokens_it_streamed_as_output(workers, llm):
         want = llm.generate([MOVED_PROMPT] * len(cases), cases)
     # The hash policy puts one prompt's requests on one decode worker: all three move.
     router = router_for(workers, max_migrations=1, routing=RoutingSettings(policy="hash"))
-    requests = [pb.GenerateRequest(text=MOVED_PROMPT, params=wire.sampling_proto(params))
+    requests = [pb.GenerateRequest(text=MOVED_PROMPT, params=grpc_convert.sampling_proto(params))
                 for params in cases]  # fmt: skip
     try:
         with Streams(router, requests) as streams:

@@ -11,7 +11,7 @@ import pytest
 from engine import SamplingParams
 from engine.stop import OutputText, StopReason
 from engine.tokenizer import IncrementalDetokenizer, TextTokenizer
-from pdserve import wire
+from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
 from router.migration import ResumedText
 
@@ -66,7 +66,7 @@ def moved_after(tokenizer, token_ids, params, want: Stream, num_streamed: int) -
         out = resumed.rewrite(message)
         deltas.append(out.text)
         if out.finish_reason:
-            return Stream(deltas, out.finish_reason, wire.stop_reason_of(out))
+            return Stream(deltas, out.finish_reason, grpc_convert.stop_reason_of(out))
     raise AssertionError("the moved stream never finished")
 
 

@@ -77,10 +77,10 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_does_not(cost: Linear
 
 
 def _tiny_pool(num_blocks: int, caching: bool) -> ClusterConfig:
-    """One colocated worker; the router reserves only the prompt, so the engine must grow
+    """One aggregated worker; the router reserves only the prompt, so the engine must grow
     each request's KV itself and preempt when the pool runs out."""
     engine = EngineConfig(num_blocks=num_blocks, watermark=1.0, enable_prefix_caching=caching)
-    return ClusterConfig("colocated", (WorkerSpec("c0", "colocated"),), engine, engine,
+    return ClusterConfig("aggregated", (WorkerSpec("c0", "aggregated"),), engine, engine,
                          AdmissionSettings(kv_output_reserve_tokens=0))  # fmt: skip
 
 
