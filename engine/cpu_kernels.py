@@ -5,12 +5,15 @@ The paged decode attention (engine/cpu_paged_backend.py), the int4 (Q4_1) and Q8
 of quantized layers and the lm_head (engine/quantization.py) and the decoder layer's fused
 element-wise steps (engine/model.py, FusedCPUOps) live there. Building takes about a
 minute on 2 cores (torch's cpp_extension with ninja), cached under $TORCH_EXTENSIONS_DIR, by
-default ~/.cache/torch_extensions; a machine without a C++ compiler gets an error from load(), which
-each caller turns into its fallback (load_or_none: a logged warning and None).
+default ~/.cache/torch_extensions, in a folder of its own for each checkout and version of the
+sources (an edit builds anew; old folders stay until removed); a machine without a C++
+compiler gets an error from load(), which each caller turns into its fallback (load_or_none: a
+logged warning and None).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -46,13 +49,24 @@ def load():
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    flags = _FLAGS + _ISA_FLAGS.get(isa, [])
     log.info("loading the engine's CPU kernels for %s (built once per machine)", isa)
     return cpp_extension.load(
-        name=f"pdserve_cpu_kernels_{isa.lower()}",
+        name=f"pdserve_cpu_kernels_{isa.lower()}_{_build_key(flags)}",
         sources=[str(s) for s in SOURCES],
-        extra_cflags=_FLAGS + _ISA_FLAGS.get(isa, []),
+        extra_cflags=flags,
         verbose=False,
     )
+
+
+def _build_key(flags: list[str]) -> str:
+    """The build's own name: torch keeps one build folder per extension name, so two checkouts
+    (or a checkout and an installed copy) sharing a name rebuilt it each time the other one
+    loaded (about a minute each). Keyed by where the sources are, what they say and the flags."""
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in sorted(SOURCES[0].parent.iterdir()):
+        digest.update(str(path.resolve()).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def load_or_none(fallback: str):
