@@ -127,6 +127,12 @@ TLS = (
     ),
 )
 LOG_LEVEL = Option("log_level", "PDSERVE_LOG_LEVEL", None, own_default="info")
+# The router queues and routes by these buckets, the workers label their metrics and warm up by
+# them: one setting each, so that one env var sets both sides alike.
+LENGTH_BUCKETS = (
+    Option("short_below", "PDSERVE_SHORT_BELOW", "Short: fewer prompt tokens.", LengthBuckets),
+    Option("long_above", "PDSERVE_LONG_ABOVE", "Long: more prompt tokens.", LengthBuckets),
+)
 ROUTING_POLICY = Option(
     "routing_policy", "PDSERVE_ROUTING_POLICY", "watermark | round_robin | hash.",
     own_default=_field_default(RoutingSettings, "policy"),
@@ -176,6 +182,7 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
                "Prefix reuse across workers: decode lets prefill read the prompt prefix it holds; "
                "prefill reads it instead of computing it when the transfer is faster.",
                WorkerSettings),
+        *LENGTH_BUCKETS,
     )  # fmt: skip
 
 
@@ -202,6 +209,7 @@ def _worker_settings(
         worker_id=values["worker_id"] or f"{role}-{socket.gethostname()}-{os.getpid()}",
         advertise_host=values["advertise_host"] or None, engine=engine,
         tls=_tls(values["tls_cert_file"], values["tls_key_file"], values["tls_ca_file"]),
+        length_buckets=_settings_of(LengthBuckets, options, values),
     )  # fmt: skip
 
 
@@ -263,8 +271,7 @@ ROUTER_OPTIONS = (
     Option("max_queue_wait_s", "PDSERVE_MAX_QUEUE_WAIT_S", "Estimated; 429 above. 0 = off.",
            own_default=0.0),
     Option("queue_timeout_s", "PDSERVE_QUEUE_TIMEOUT_S", None, AdmissionSettings),
-    Option("short_below", "PDSERVE_SHORT_BELOW", "Short: fewer prompt tokens.", LengthBuckets),
-    Option("long_above", "PDSERVE_LONG_ABOVE", "Long: more prompt tokens.", LengthBuckets),
+    *LENGTH_BUCKETS,
     Option("medium_delay_s", None, "Aging delay.", AdmissionSettings),
     Option("long_delay_s", None, "Aging delay.", AdmissionSettings),
     Option("watermark_a", None, None, RoutingSettings),

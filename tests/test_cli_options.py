@@ -16,6 +16,7 @@ import typer.main
 from decode_service.settings import DecodeSettings
 from engine.config import EngineConfig
 from pdserve import cli
+from pdserve.lengths import LengthBuckets
 from pdserve.worker_settings import WorkerSettings
 from router.settings import RouterSettings
 
@@ -37,6 +38,7 @@ WORKER_ENV = {
     "--cuda-graphs": "PDSERVE_CUDA_GRAPHS", "--attention-backend": "PDSERVE_ATTENTION_BACKEND",
     "--quantization": "PDSERVE_QUANTIZATION", "--kv-cache-dtype": "PDSERVE_KV_CACHE_DTYPE",
     "--peer-fetch": "PDSERVE_PEER_FETCH", "--log-level": "PDSERVE_LOG_LEVEL",
+    "--short-below": "PDSERVE_SHORT_BELOW", "--long-above": "PDSERVE_LONG_ABOVE",
 }  # fmt: skip
 DECODE_ONLY_ENV = {
     "--prefill-timeout-s": "PDSERVE_PREFILL_TIMEOUT_S",
@@ -137,6 +139,19 @@ def test_env_vars_and_flags_reach_the_settings(monkeypatch):
     settings = cli._worker_settings("decode", cli.DECODE_OPTIONS, parse("decode", ["--port", "7"]))
     assert (settings.engine.chunk_size, settings.peer_fetch, settings.port) == (1024, False, 7)
     assert settings.engine.num_threads == 3
+
+
+def test_one_env_var_sets_the_length_buckets_of_workers_and_router_alike(monkeypatch):
+    monkeypatch.setenv("PDSERVE_SHORT_BELOW", "256")
+    monkeypatch.setenv("PDSERVE_LONG_ABOVE", "1024")
+    expected = LengthBuckets(short_below=256, long_above=1024)
+    for role, options in (("prefill", cli.PREFILL_OPTIONS), ("decode", cli.DECODE_OPTIONS)):
+        assert cli._worker_settings(role, options, parse(role)).length_buckets == expected
+    assert cli._router_settings(parse("router")).admission.buckets == expected
+    flag = parse("prefill", ["--short-below", "128"])
+    assert cli._worker_settings("prefill", cli.PREFILL_OPTIONS, flag).length_buckets == (
+        LengthBuckets(short_below=128, long_above=1024)
+    )
 
 
 def test_readme_configuration_table_names_the_real_env_vars():
