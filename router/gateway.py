@@ -160,18 +160,18 @@ class Gateway:
         admission = self.settings.admission
         num_prompt = len(prompt_token_ids)
         num_reserved = min(max_tokens, admission.kv_output_reserve_tokens)
+        block_size = self.pool.block_size
         return Ticket(
             request_id=request_id,
             num_prompt_tokens=num_prompt,
             max_tokens=max_tokens,
-            num_kv_blocks=kv_blocks_held(
-                num_prompt, num_reserved, admission.kv_block_size, num_seqs
-            ),
+            num_kv_blocks=kv_blocks_held(num_prompt, num_reserved, block_size, num_seqs),
             bucket=admission.buckets.of(num_prompt),
             arrival_s=arrival_s,
             affinity_key=affinity_key(prompt_token_ids),
+            block_size=block_size,
             excluded_decode_ids=excluded_decode_ids,
-            block_hashes=prompt_block_hashes(prompt_token_ids, admission.kv_block_size),
+            block_hashes=prompt_block_hashes(prompt_token_ids, block_size),
             num_seqs=num_seqs,
         )
 

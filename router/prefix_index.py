@@ -41,10 +41,10 @@ class Choice:
 
 @dataclass(slots=True)
 class PrefixIndex:
-    """Per worker, the set of block hashes its cache holds. Prompts are hashed at the router's
-    block size; a worker registered with another block size never matches."""
+    """Per worker, the set of block hashes its cache holds. A ticket's prompt is hashed at the
+    workers' block size (WorkerPool.block_size); a worker registered with another one never
+    matches."""
 
-    block_size: int
     _cached: dict[str, set[bytes]] = field(default_factory=dict)
     _positions: dict[str, str] = field(default_factory=dict)  # last stream entry id read
     _last_overlap: dict[str, int] = field(default_factory=dict)
@@ -76,7 +76,7 @@ class PrefixIndex:
 
     def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> int:
         """The leading prompt tokens the worker's prefix cache holds."""
-        if worker.block_size != self.block_size:
+        if worker.block_size != ticket.block_size:
             return 0
         cached = self._cached.get(worker.worker_id, set())
         num_blocks = 0
@@ -84,7 +84,7 @@ class PrefixIndex:
             if block_hash not in cached:
                 break
             num_blocks += 1
-        return num_blocks * self.block_size
+        return num_blocks * ticket.block_size
 
     def prefill_prefix(self, worker: WorkerInfo, ticket: Ticket) -> tuple[int, int]:
         """Prompt tokens a prefill worker need not compute: (its own cached prefix, the part

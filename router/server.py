@@ -35,7 +35,7 @@ class RouterServer:
         self.settings = settings
         self.registry = Registry(settings.redis_url)
         self.pool = WorkerPool(settings.admission.default_prefill_tokens_per_s)
-        self.prefixes = PrefixIndex(settings.admission.kv_block_size)
+        self.prefixes = PrefixIndex()
         policies = build_policies(settings.routing, settings.admission, self.prefixes)
         self.admission = Admission(settings.admission, self.pool, policies, prefixes=self.prefixes)
         self.decode = DecodeClient(settings.worker_tls)

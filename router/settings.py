@@ -38,7 +38,6 @@ class AdmissionSettings:
     max_queue_wait_s: float | None = None  # estimated router queue wait above this: 429
     queue_timeout_s: float = 120.0  # a queued request that waited this long gets a 429
     default_prefill_tokens_per_s: float = 500.0  # for a worker that has not measured yet
-    kv_block_size: int = 16  # the workers' block size (not in the registry)
     # A request holds its prompt plus this many output tokens of decode KV at admission; the
     # decode engine grows and preempts beyond it.
     kv_output_reserve_tokens: int = 128
@@ -53,7 +52,6 @@ class AdmissionSettings:
             "max_queue_wait_s": 1.0 if self.max_queue_wait_s is None else self.max_queue_wait_s,
             "queue_timeout_s": self.queue_timeout_s,
             "default_prefill_tokens_per_s": self.default_prefill_tokens_per_s,
-            "kv_block_size": self.kv_block_size,
         }
         problems = [f"{name}={value} must be > 0" for name, value in positive.items() if value <= 0]
         non_negative = {

@@ -21,6 +21,7 @@ class Ticket:
     bucket: LengthBucket
     arrival_s: float  # monotonic clock
     affinity_key: bytes  # the prompt's leading tokens, hashed (for the hash policy)
+    block_size: int  # the workers' KV block size, which num_kv_blocks and block_hashes use
     # Decode workers this request was lost on (migration): never routed there again.
     excluded_decode_ids: frozenset[str] = frozenset()
     # The prompt's chained block hashes (engine.prefix_hash), for the prefix scorers.

@@ -12,6 +12,10 @@ from router.ledger import Assignment, Ledger, Share
 
 log = logging.getLogger(__name__)
 
+# The KV block size before any decode-side worker has registered (the engine's default); no
+# request is admitted then anyway.
+UNREGISTERED_BLOCK_SIZE = 16
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
@@ -56,6 +60,16 @@ class WorkerPool:
         """A whole request can be served: a prefill and a decode worker, or an aggregated one."""
         infos = self._infos
         return bool(infos["aggregated"]) or bool(infos["prefill"] and infos["decode"])
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size of the workers that hold decode KV (what a request's KV hold is
+        counted in, and its prompt hashed at): the one most of them registered with, the
+        smaller on a tie. Workers that registered another one get no prefix matches."""
+        sizes = [w.block_size for role in ("decode", "aggregated") for w in self._infos[role]]
+        if not sizes:
+            return UNREGISTERED_BLOCK_SIZE
+        return min(set(sizes), key=lambda size: (-sizes.count(size), size))
 
     def worker_ids(self) -> set[str]:
         return {info.worker_id for infos in self._infos.values() for info in infos}

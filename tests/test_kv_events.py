@@ -92,7 +92,7 @@ def test_the_index_follows_rebuilds_and_forgets_workers(redis_url):
     registered = {"p-0", "d-0"}
 
     async def scenario() -> None:
-        index = PrefixIndex(16)
+        index = PrefixIndex()
         task = asyncio.create_task(follow(index, redis_url, lambda: registered, block_ms=50))
 
         async def until(condition: Callable[[], bool]) -> None:
@@ -105,7 +105,7 @@ def test_the_index_follows_rebuilds_and_forgets_workers(redis_url):
         publishers["p-0"].submit([(False, h(1))])  # evicted blocks leave the index
         await until(lambda: index.cached_hashes("p-0") == {h(2)})
         # A router started now rebuilds the same index from the streams.
-        fresh = PrefixIndex(16)
+        fresh = PrefixIndex()
         fresh_task = asyncio.create_task(follow(fresh, redis_url, lambda: registered, 50))
         await until(lambda: fresh.cached_hashes("p-0") == {h(2)})
         await until(lambda: fresh.cached_hashes("d-0") == {h(9)})
@@ -129,7 +129,7 @@ def test_a_cancelled_follower_always_ends(redis_url):
     async def cancel_often() -> list[int]:
         stuck = []
         for i in range(150):
-            task = asyncio.create_task(follow(PrefixIndex(16), redis_url, lambda: {"a"}, 50))
+            task = asyncio.create_task(follow(PrefixIndex(), redis_url, lambda: {"a"}, 50))
             await asyncio.sleep((i % 25) * 0.005)  # 0 to 120 ms: every phase of the read
             task.cancel()
             done, _ = await asyncio.wait({task}, timeout=30)

@@ -289,7 +289,7 @@ class Admission:
         samples = f" for each of its {ticket.num_seqs} samples" if ticket.num_seqs > 1 else ""
         raise InvalidRequestError(
             f"this request needs {ticket.num_kv_blocks} KV blocks of "
-            f"{self.settings.kv_block_size} tokens (its {ticket.num_prompt_tokens}-token prompt "
+            f"{ticket.block_size} tokens (its {ticket.num_prompt_tokens}-token prompt "
             f"and an output reserve{samples}), the largest decode worker has {largest}",
             code="kv_capacity_exceeded",
         )

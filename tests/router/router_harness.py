@@ -89,6 +89,7 @@ def ticket(
         bucket=bucket or LengthBuckets().of(num_prompt_tokens),  # type: ignore[arg-type]
         arrival_s=arrival_s,
         affinity_key=affinity_key(prompt or [num_prompt_tokens]),
+        block_size=16,
         num_seqs=num_seqs,
     )
 

@@ -20,7 +20,7 @@ HASHES = prompt_block_hashes(PROMPT, 16)
 
 def index_with(holdings: dict[str, int]) -> PrefixIndex:
     """Each worker caches that many leading blocks of PROMPT."""
-    index = PrefixIndex(16)
+    index = PrefixIndex()
     for worker_id, num_blocks in holdings.items():
         index.apply(worker_id, "1-0", CacheUpdate(True, HASHES[:num_blocks]))
     return index

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from router_harness import pool_of, ticket, with_load, worker
 
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
+from router.workers import WorkerPool
 
 
 def route_prefill(policy_name: str, infos, sizes: list[int], **routing) -> list[str]:
@@ -136,3 +138,16 @@ def test_stale_heartbeat_load_is_corrected_by_the_routers_own_assignments():
     pool.release("prefill", late)
     assert pool.views("prefill")[0].queued_tokens == 400  # other routers' share
     assert pool.views("prefill")[0].queued_requests == 0
+
+
+def test_the_pools_block_size_is_what_most_decode_side_workers_registered_with():
+    def sized(role: str, worker_id: str, block_size: int):
+        return replace(worker(role, worker_id), block_size=block_size)
+
+    assert WorkerPool(500.0).block_size == 16  # none registered yet: the engine's default
+    pool = pool_of(sized("prefill", "p", 64), sized("decode", "d0", 32))
+    assert pool.block_size == 32  # the decode side's, not the prefill worker's
+    pool.update("decode", [sized("decode", "d0", 32), sized("decode", "d1", 8)])
+    assert pool.block_size == 8  # a tie: the smaller
+    pool.update("aggregated", [sized("aggregated", "a0", 32)])
+    assert pool.block_size == 32  # two of three
