@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.redis_server import RedisServer
 from pdserve.registry import Registry, WorkerInfo
@@ -42,16 +43,17 @@ class WorkerProcess:
 
 
 def metric(metrics_url: str, name: str, **labels: str) -> float:
-    """One sample from a worker's Prometheus /metrics (0.0 when not yet exported)."""
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = rf"^{re.escape(name)}(\{{{re.escape(wanted)}\}})? (\S+)$" if wanted else (
-        rf"^{re.escape(name)} (\S+)$"
-    )  # fmt: skip
-    for line in text.splitlines():
-        match = re.match(pattern, line)
-        if match:
-            return float(match.groups()[-1])
+    """One sample from a Prometheus /metrics page (0.0 when not yet exported)."""
+    return sample_value(urllib.request.urlopen(metrics_url, timeout=5).read().decode(), name,
+                        **labels)  # fmt: skip
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The sample of that name with exactly those labels in a /metrics text, else 0.0."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
     return 0.0
 
 

@@ -9,8 +9,8 @@ import torch
 from engine import LLM, SamplingParams, kv_quant
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.quality import PROMPTS
 from engine.quantization import int8_last_dim
-from tests.engine.test_quantization import PROMPTS
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

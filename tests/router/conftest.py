@@ -15,14 +15,16 @@ from router.settings import RouterSettings
 
 
 @dataclass(frozen=True, slots=True)
-class Cluster:
+class UpCluster:
+    """Where the shared `pdserve up` cluster answers."""
+
     http_url: str
     grpc_address: str
     redis_url: str
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     http_port, grpc_port = free_port(), free_port()
     with pdserve_up(
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--no-warmup",
@@ -30,11 +32,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "--log-dir", str(tmp_path_factory.mktemp("pdserve-up")),
         env={"PDSERVE_QUANTIZATION": "none"},  # the fp32 path: tests compare with the llm fixture
     ) as (_, redis_url):  # fmt: skip
-        yield Cluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
+        yield UpCluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", redis_url)
 
 
 @pytest.fixture
-def start_router(cluster: Cluster) -> Iterator[Callable[..., InProcessRouter]]:
+def start_router(cluster: UpCluster) -> Iterator[Callable[..., InProcessRouter]]:
     """Routers with a test's own settings, in this process, on the same workers."""
     routers: list[InProcessRouter] = []
 

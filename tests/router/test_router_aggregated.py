@@ -16,7 +16,7 @@ from engine import SamplingParams
 from pdserve.redis_server import free_port
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
-from tests.cluster import Cluster
+from tests.cluster import Cluster, sample_value
 from tests.waiting import wait_until
 
 # For `up`'s children: the router's short bucket (what a mixed cluster sends whole) and the
@@ -33,12 +33,7 @@ class Up:
         self.http_url, self.grpc_address, self.redis_url = http_url, grpc_address, redis_url
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.http_url}/metrics", timeout=10).text
-        wanted = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-        for line in text.splitlines():
-            if line.startswith(name + (wanted if labels else " ")):
-                return float(line.split()[-1])
-        return 0.0
+        return sample_value(httpx.get(f"{self.http_url}/metrics", timeout=10).text, name, **labels)
 
     def wait_for_workers(self, counts: dict[str, int]) -> None:
         """Until the router's /health counts these workers of each role."""

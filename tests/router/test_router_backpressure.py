@@ -20,6 +20,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from router.http_api.app import PREDICTED_TTFT_HEADER
 from router.settings import AdmissionSettings
+from tests.cluster import sample_value
 from tests.waiting import wait_until
 
 NUM_EXCESS = 4
@@ -47,16 +48,13 @@ def num_queued(router) -> int:
     return sum(admin(router)["queue"].values())
 
 
-def metric(router, sample: str) -> float:
-    """One sample's value from /metrics (0 before it exists), e.g. 'name_sum{label="x"}'."""
-    metrics = httpx.get(f"{router.http_url}/metrics", timeout=10).text
-    return next((float(line.split()[-1]) for line in metrics.splitlines()
-                 if line.startswith(f"{sample} ")), 0.0)  # fmt: skip
+def metric(router, name: str, **labels: str) -> float:
+    """One sample's value from the router's /metrics (0 before it exists)."""
+    return sample_value(httpx.get(f"{router.http_url}/metrics", timeout=10).text, name, **labels)
 
 
 def rejections(router, reason: str, bucket: str = "short") -> float:
-    labels = f'length_bucket="{bucket}",reason="{reason}"'
-    return metric(router, f"pdserve_router_rejections_total{{{labels}}}")
+    return metric(router, "pdserve_router_rejections_total", length_bucket=bucket, reason=reason)
 
 
 def test_http_429_with_retry_after_while_admitted_requests_complete(start_router):
@@ -180,7 +178,7 @@ def test_a_request_no_decode_worker_can_hold_gets_400_at_once(start_router):
 
 
 def predicted_ttft_sum(router) -> float:
-    return metric(router, 'pdserve_router_ttft_predicted_seconds_sum{length_bucket="short"}')
+    return metric(router, "pdserve_router_ttft_predicted_seconds_sum", length_bucket="short")
 
 
 def test_an_admitted_response_carries_the_ttft_admission_predicted(start_router):
