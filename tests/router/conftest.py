@@ -5,22 +5,12 @@ with Ctrl-C at the end."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import pytest
-from router_harness import InProcessRouter, pdserve_up
+from router_harness import InProcessRouter, UpCluster, pdserve_up
 
 from pdserve.redis_server import free_port
 from router.settings import RouterSettings
-
-
-@dataclass(frozen=True, slots=True)
-class UpCluster:
-    """Where the shared `pdserve up` cluster answers."""
-
-    http_url: str
-    grpc_address: str
-    redis_url: str
 
 
 @pytest.fixture(scope="session")

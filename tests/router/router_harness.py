@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import httpx
 import torch
@@ -169,6 +169,15 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@dataclass(frozen=True, slots=True)
+class UpCluster:
+    """Where the shared `pdserve up` cluster answers."""
+
+    http_url: str
+    grpc_address: str
+    redis_url: str
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import Cluster
+from router_harness import UpCluster
 
 from pdserve.redis_server import free_port
 from tests.waiting import wait_until
@@ -26,7 +26,7 @@ def _wait_serving(url: str, process: subprocess.Popen[bytes]) -> None:
     wait_until(serving, timeout_s=120.0, interval_s=0.2, message=f"router at {url} did not serve")
 
 
-def test_a_serving_router_has_no_torch_mapped(cluster: Cluster) -> None:
+def test_a_serving_router_has_no_torch_mapped(cluster: UpCluster) -> None:
     http_port = free_port()
     command = [
         sys.executable, "-m", "pdserve.cli", "router", "--redis-url", cluster.redis_url,

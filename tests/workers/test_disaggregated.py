@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.workers.conftest import LONG_PROMPT, generate, token_ids
+from tests.workers.calls import LONG_PROMPT, generate, token_ids
 
 
 @pytest.fixture(scope="module")

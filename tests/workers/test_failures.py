@@ -15,7 +15,7 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
 from tests.waiting import wait_until
-from tests.workers.conftest import LONG, generate, token_ids
+from tests.workers.calls import LONG, generate, token_ids
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.cluster import Cluster
-from tests.workers.conftest import LONG_PROMPT, generate, token_ids
+from tests.workers.calls import LONG_PROMPT, generate, token_ids
 
 INT8 = ("--kv-cache-dtype", "int8")
 INT8_BYTES_PER_BLOCK = 190_080  # 30 layers * (K, V) * 16 tokens * 3 heads * (64 + 2 scale bytes)

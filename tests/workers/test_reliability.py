@@ -17,7 +17,7 @@ from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
 from tests.cluster import Cluster
 from tests.waiting import wait_until
-from tests.workers.conftest import LONG, token_ids
+from tests.workers.calls import LONG, token_ids
 from tests.workers.faulty_worker import POISON
 
 FAULTY = (sys.executable, "-m", "tests.workers.faulty_worker")

@@ -1,0 +1,32 @@
+"""What the worker tests share: their prompts, and Decode.Generate called directly."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.worker.v1 import worker_pb2 as wpb
+from pdserve.worker.v1 import worker_pb2_grpc
+
+# A long text, and token ids giving several seconds of prefill on one thread (time for a fault
+# to land mid-request).
+LONG_PROMPT = " ".join(
+    f"Note {i}: the warehouse shipped {i * 11} crates of apples to the harbour on day {i}."
+    for i in range(70)
+)
+LONG = [(13 * i) % 5000 + 200 for i in range(3000)]
+
+
+def generate(decode_address: str, prompt_ids: list[int], prefill_address: str = "", **params):
+    """Calls Decode.Generate directly; returns the stream's messages."""
+    stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(decode_address))
+    request = wpb.DecodeRequest(
+        prompt_token_ids=prompt_ids,
+        params=pb.SamplingParams(**params),
+        prefill_address=prefill_address,
+    )
+    return list(stub.Generate(request, timeout=300))
+
+
+def token_ids(messages) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
