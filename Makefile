@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test lint format bench proto clean
+.PHONY: setup run test lint format bench proto kernels clean
 
 setup: $(STAMP)
 
@@ -24,10 +24,15 @@ $(STAMP): pyproject.toml Makefile helm/tools/setup.sh
 proto: setup
 	$(PY) -m proto.build
 
-run: setup proto
+# The engine's C++ CPU kernels, built once per checkout and source version (a no-op once built):
+# here rather than in the first worker to start, or the first test to need them.
+kernels: setup
+	$(PY) -m engine.cpu_kernels
+
+run: setup proto kernels
 	$(VENV)/bin/pdserve up
 
-test: setup proto
+test: setup proto kernels
 	$(PY) -m pytest -q
 
 # lint-imports checks pyproject.toml's [tool.importlinter] contracts (layers, torch-free router,

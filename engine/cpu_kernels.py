@@ -1,5 +1,6 @@
 """The engine's C++ CPU kernels (engine/csrc/): built together into one extension module, once
-per machine and CPU instruction set, on first use.
+per machine and CPU instruction set, by `make kernels` (`python -m engine.cpu_kernels`, which
+`make run` and `make test` run first) or else on first use.
 
 The paged decode attention (engine/cpu_paged_backend.py), the int4 (Q4_1) and Q8_0 linears
 of quantized layers and the lm_head (engine/quantization.py) and the decoder layer's fused
@@ -76,3 +77,8 @@ def load_or_none(fallback: str):
     except (ImportError, OSError, RuntimeError) as e:  # no compiler, ninja or headers
         log.warning("%s (the C++ kernels did not build: %s)", fallback, e)
         return None
+
+
+if __name__ == "__main__":  # `make kernels`: build now rather than at a first start
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_or_none("the engine will use torch ops instead")
