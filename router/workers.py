@@ -49,8 +49,19 @@ class WorkerPool:
         default_factory=lambda: {"prefill": Ledger(), "decode": Ledger()}
     )
 
+    # The KV block size of the workers that hold decode KV (what a request's KV hold is counted
+    # in, and its prompt hashed at): the one most of them registered with, the smaller on a tie.
+    # Workers that registered another one get no prefix matches. Set by update(), not per request.
+    block_size: int = UNREGISTERED_BLOCK_SIZE
+
     def update(self, role: Role, infos: list[WorkerInfo]) -> None:
         self._infos[role] = sorted(infos, key=lambda w: w.worker_id)
+        sizes = [w.block_size for side in ("decode", "aggregated") for w in self._infos[side]]
+        self.block_size = (
+            min(set(sizes), key=lambda size: (-sizes.count(size), size))
+            if sizes
+            else UNREGISTERED_BLOCK_SIZE
+        )
 
     async def refresh(self, registry: Registry) -> None:
         for role in ROLES:
@@ -60,16 +71,6 @@ class WorkerPool:
         """A whole request can be served: a prefill and a decode worker, or an aggregated one."""
         infos = self._infos
         return bool(infos["aggregated"]) or bool(infos["prefill"] and infos["decode"])
-
-    @property
-    def block_size(self) -> int:
-        """The KV block size of the workers that hold decode KV (what a request's KV hold is
-        counted in, and its prompt hashed at): the one most of them registered with, the
-        smaller on a tie. Workers that registered another one get no prefix matches."""
-        sizes = [w.block_size for role in ("decode", "aggregated") for w in self._infos[role]]
-        if not sizes:
-            return UNREGISTERED_BLOCK_SIZE
-        return min(set(sizes), key=lambda size: (-sizes.count(size), size))
 
     def worker_ids(self) -> set[str]:
         return {info.worker_id for infos in self._infos.values() for info in infos}

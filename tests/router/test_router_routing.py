@@ -151,3 +151,6 @@ def test_the_pools_block_size_is_what_most_decode_side_workers_registered_with()
     assert pool.block_size == 8  # a tie: the smaller
     pool.update("aggregated", [sized("aggregated", "a0", 32)])
     assert pool.block_size == 32  # two of three
+    pool.update("decode", [])
+    pool.update("aggregated", [])
+    assert pool.block_size == 16  # all gone: the default again
