@@ -16,6 +16,7 @@ from engine import errors as engine_errors
 from engine.request import Request, StepOutput
 from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import Role, WorkerInfo
+from prefill_service.request_path import Shipment, first_token_params
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway
@@ -155,12 +156,11 @@ class _SameWorker:
 
 
 @dataclass(slots=True)
-class _Shipment:
+class _Transfer:
     """A remote prefill's KV on its way to the decode worker (PrefillJob's simulated twin)."""
 
-    num_skipped_blocks: int
-    num_sent_blocks: int = 0
-    done_at: float = 0.0
+    shipment: Shipment
+    done_at: float = 0.0  # when the last block sent so far lands
 
 
 @dataclass(slots=True)
@@ -217,7 +217,7 @@ class Simulation:
         self.records: list[Record] = []
         self.samples = Samples()
         self.kv_links: dict[str, float] = {}  # prefill worker -> when its link is free
-        self._shipments: dict[str, _Shipment] = {}
+        self._transfers: dict[str, _Transfer] = {}
         self._background: list[asyncio.Task[None]] = []
 
     # ---- the control plane -----------------------------------------------------------------
@@ -379,50 +379,40 @@ class Simulation:
         reserved = decode.engine.reserve_for_remote_prefill(rid, request.prompt_token_ids, params)
         prefill = self.workers[lease.prefill.worker_id]
         await asyncio.sleep(hop)  # decode -> prefill: the Prefill RPC
-        block_size = decode.engine.config.block_size
-        shipment = _Shipment(reserved.num_cached_tokens // block_size)
-        first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        transfer = _Transfer(Shipment(decode.engine.kv.first_remote_block(reserved)))
         finished: asyncio.Future[StepOutput] = self.loop.create_future()
         try:
             prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
-                                                         first_params)  # fmt: skip
+                                                         first_token_params(params, 0))  # fmt: skip
         except engine_errors.EngineError:
             decode.engine.abort_request(rid)
             raise
-        self._shipments[rid] = shipment
+        self._transfers[rid] = transfer
         prefill.listen(rid, lambda o: o.finished and finished.set_result(o))
         prefill.kick()
         output = await finished
-        del self._shipments[rid]
+        del self._transfers[rid]
         # The response leaves once the last block has landed; then one hop back to decode.
-        await asyncio.sleep(max(0.0, shipment.done_at - self.loop.time()) + hop)
+        await asyncio.sleep(max(0.0, transfer.done_at - self.loop.time()) + hop)
         first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
         sink.on_output(first, self.loop.time())
         return [reserved, prefill_request]
 
     def _ship(self, worker: SimWorker, request: Request) -> None:
-        """PrefillService._ship_finished_blocks on the engine thread after a step: every block
-        that became final is held (kv.hold) and sent; the link carries one send at a time."""
-        shipment = self._shipments.get(request.request_id)
-        if shipment is None:
+        """PrefillService._ship_finished_blocks on the engine thread after a step: the blocks
+        that became final are held and sent; the link carries one send at a time."""
+        transfer = self._transfers.get(request.request_id)
+        if transfer is None:
             return
-        block_size = worker.engine.config.block_size
-        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
-        if computed == request.num_prompt_tokens:
-            num_final = -(-computed // block_size)
-        else:
-            num_final = computed // block_size
-        start = max(shipment.num_sent_blocks, shipment.num_skipped_blocks)
-        if num_final <= start:
-            return
-        block_ids = request.block_ids[start:num_final]
         kv = worker.engine.kv
-        kv.hold(block_ids)
-        shipment.num_sent_blocks = num_final
+        final = transfer.shipment.take_final_blocks(request, kv)
+        if final is None:
+            return
+        block_ids = request.block_ids[final]
         now = worker.clock()  # the end of the step that computed them
         begins = max(now, self.kv_links.get(worker.worker_id, 0.0))
-        done = begins + self.cost.kv_transfer_s((num_final - start) * block_size)
-        self.kv_links[worker.worker_id] = shipment.done_at = done
+        done = begins + self.cost.kv_transfer_s(len(block_ids) * kv.block_size)
+        self.kv_links[worker.worker_id] = transfer.done_at = done
 
         def release() -> None:
             kv.release(block_ids)
