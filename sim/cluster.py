@@ -9,36 +9,32 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from engine import EngineConfig, SamplingParams
 from engine import errors as engine_errors
 from engine.request import Request, StepOutput
 from pdserve.lengths import LENGTH_BUCKETS
-from pdserve.registry import Role, WorkerInfo
+from pdserve.registry import ROLES, Role, WorkerInfo
 from prefill_service.request_path import Shipment, first_token_params
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway
 from router.ledger import Ledger
-from router.routing import RoutingPolicies, build_policies
-from router.routing.framework import Policy
+from router.routing import build_policies
 from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
-from router.ticket import Ticket
-from router.workers import WorkerPool, WorkerView
+from router.workers import WorkerPool
 from sim.clock import SimulationStalled
 from sim.costs import CostModel
 from sim.worker import CoreShare, SimWorker, WorkerSpec
 from sim.workload import ClosedLoop, OpenLoop, RequestSource, SimRequest
 
 T = TypeVar("T")
-Mode = Literal["pd", "aggregated"]
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    mode: Mode
-    workers: tuple[WorkerSpec, ...]
+    workers: tuple[WorkerSpec, ...]  # the router's own rules pick the pool for each request
     prefill_engine: EngineConfig  # prefill workers (and aggregated ones)
     decode_engine: EngineConfig
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
@@ -130,32 +126,6 @@ class _Metered:
 
 
 @dataclass(slots=True)
-class _Recording:
-    """Aggregated placement, prefill side: the real prefill policy, remembering its choice."""
-
-    policy: Policy
-    chosen: str | None = None
-
-    def choose(self, workers: list[WorkerView], ticket: Ticket) -> WorkerView | None:
-        worker = self.policy.choose(workers, ticket)
-        self.chosen = worker.worker_id if worker else None
-        return worker
-
-
-@dataclass(slots=True)
-class _SameWorker:
-    """Aggregated placement, decode side: the real decode policy's filters, on the worker the
-    prefill policy just chose (prefill and decode share its engine)."""
-
-    policy: Policy
-    prefill: _Recording
-
-    def choose(self, workers: list[WorkerView], ticket: Ticket) -> WorkerView | None:
-        return self.policy.choose([w for w in workers if w.worker_id == self.prefill.chosen],
-                                  ticket)  # fmt: skip
-
-
-@dataclass(slots=True)
 class _Transfer:
     """A remote prefill's KV on its way to the decode worker (PrefillJob's simulated twin)."""
 
@@ -200,15 +170,12 @@ class Simulation:
             if spec.kind == "prefill":
                 worker.engine.on_computed = lambda r, w=worker: self._ship(w, r)
             self.workers[spec.worker_id] = worker
-        self.registry: dict[Role, dict[str, WorkerInfo]] = {"prefill": {}, "decode": {}}
+        self.registry: dict[Role, dict[str, WorkerInfo]] = {role: {} for role in ROLES}
         self.pool = WorkerPool(
             config.admission.default_prefill_tokens_per_s,
             ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
         )
         policies = build_policies(config.routing, config.admission)
-        if config.mode == "aggregated":
-            recording = _Recording(policies.prefill)
-            policies = RoutingPolicies(recording, _SameWorker(policies.decode, recording))  # type: ignore[arg-type]
         self.admission = Admission(config.admission, self.pool, policies, clock=clock)
         settings = RouterSettings(redis_url="sim://", admission=config.admission,
                                   routing=config.routing)  # fmt: skip
@@ -221,20 +188,15 @@ class Simulation:
         self._background: list[asyncio.Task[None]] = []
 
     # ---- the control plane -----------------------------------------------------------------
-    def roles_of(self, worker: SimWorker) -> tuple[Role, ...]:
-        kind = worker.spec.kind
-        return ("prefill", "decode") if kind == "aggregated" else (kind,)  # type: ignore[return-value]
-
     def _publish(self, worker: SimWorker) -> None:
-        for role in self.roles_of(worker):
-            self.registry[role][worker.worker_id] = worker.info(role)
+        self.registry[worker.spec.kind][worker.worker_id] = worker.info()
         usage = 1.0 - worker.stats.num_free_blocks / worker.stats.num_blocks
         worker.timeline.kv_usage.append((self.loop.time(), usage))
 
     def _refresh(self) -> None:
         """RouterServer._refresh: take the registry's snapshot, then dispatch."""
         with self.meter:
-            for role in ("prefill", "decode"):
+            for role in ROLES:
                 self.pool.update(role, list(self.registry[role].values()))
             self.admission.dispatch()
         depth = {b: self.admission.queue.depth(b) for b in LENGTH_BUCKETS}
@@ -345,7 +307,7 @@ class Simulation:
         await asyncio.sleep(hop)  # router -> the decode (or aggregated) worker
         worker = self.workers[lease.decode.worker_id]
         try:
-            if self.config.mode == "aggregated":
+            if worker.spec.kind == "aggregated":  # DecodeService with settings.aggregated
                 requests = [
                     worker.engine.add_request(request.request_id, request.prompt_token_ids, params)
                 ]

@@ -63,7 +63,7 @@ def step_config(step: str, num_blocks: int) -> ClusterConfig:
         mode="fifo", kv_output_reserve_tokens=128 if index >= 3 else 1 << 20
     )
     routing = RoutingSettings(policy="watermark" if index >= 2 else "hash")
-    return ClusterConfig("aggregated", workers(), engine, engine, admission, routing)
+    return ClusterConfig(workers(), engine, engine, admission, routing)
 
 
 def run(num_requests: int = 1200, seed: int = 0, plots_dir: Path | None = None) -> dict[str, Any]:

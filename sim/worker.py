@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from engine import EngineConfig, LLMEngine
 from engine.request import StepOutput
@@ -15,7 +14,6 @@ from pdserve.registry import Role, WorkerInfo
 from pdserve.worker_runtime import registry_entry
 from sim.costs import CostModel, StepShape
 
-WorkerKind = Literal["prefill", "decode", "aggregated"]
 OUTPUT_TOKEN_ID = 100  # every generated token; requests set ignore_eos, so length decides
 EOS_TOKEN_ID = 2
 
@@ -23,7 +21,7 @@ EOS_TOKEN_ID = 2
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     worker_id: str
-    kind: WorkerKind
+    kind: Role  # what it registers as
     speed_factor: float = 1.0  # step time multiplier: 2.0 is a card half as fast
 
 
@@ -123,11 +121,11 @@ class SimWorker:
     def listen(self, request_id: str, listener: Callable[[StepOutput], None]) -> None:
         self.listeners[request_id] = listener
 
-    def info(self, role: Role) -> WorkerInfo:
+    def info(self) -> WorkerInfo:
         """The registry entry a heartbeat would publish now (EngineLoop's stats snapshot),
         stamped as Registry.publish stamps it."""
         entry = registry_entry(
-            self.engine, self.stats, role=role, worker_id=self.worker_id,
+            self.engine, self.stats, role=self.spec.kind, worker_id=self.worker_id,
             address=f"sim://{self.worker_id}", metrics_url="", kv_backend="sim", peer_fetch=False,
         )  # fmt: skip
         return replace(entry, updated_at=self.loop.time())

@@ -187,8 +187,7 @@ class Admission:
         """(prefill, decode) workers with room now, one worker twice when aggregated, and the
         ticket as the prefill worker was chosen by. With a prefix index the decode worker comes
         first: a prefill worker that fetches can read the prefix it holds
-        (Ticket.held_prefix_tokens). Without one, the prefill worker does (the simulator's
-        aggregated placement follows the prefill policy's choice)."""
+        (Ticket.held_prefix_tokens). Without one, the prefill worker does."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
             worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)

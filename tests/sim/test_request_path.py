@@ -12,11 +12,12 @@ from engine import EngineConfig, SamplingParams
 from pdserve.registry import WorkerInfo, WorkerLoad
 from pdserve.worker_runtime import registry_entry
 from prefill_service.request_path import Shipment, first_token_params
+from router.settings import AdmissionSettings
 from sim.clock import VirtualTimeLoop
 from sim.cluster import ClusterConfig
 from sim.scenario import Scenario, simulate
 from sim.worker import SimWorker, WorkerSpec
-from sim.workload import ClosedLoop, LengthMix
+from sim.workload import ClosedLoop, LengthMix, SimRequest
 from tests.sim.conftest import LinearCost
 
 # 300 tokens in blocks of 16 are 19 blocks, the last one partial; chunks of 128 compute them
@@ -126,7 +127,7 @@ def test_the_simulated_prefill_ships_by_the_same_rule(cost: LinearCost):
     the second prompt's 12 uncached tokens, and never a decode step."""
     log = SendLog()
     config = ClusterConfig(
-        "pd", (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode")), CHUNKED, EngineConfig()
+        (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode")), CHUNKED, EngineConfig()
     )
     scenario = Scenario("ship", config, PROMPT_300, ClosedLoop(1, 2), shared_prefix_tokens=300)
     result = simulate(scenario, log)
@@ -159,7 +160,34 @@ def test_a_registry_entry_carries_the_engine_limits_and_its_stats_snapshot(
     )  # fmt: skip
     # What a simulated worker publishes is that entry, stamped with the virtual time.
     worker.stats = stats
-    assert worker.info("prefill") == replace(
+    assert worker.info() == replace(
         entry, address="sim://p0", metrics_url="", kv_backend="sim", peer_fetch=False,
         updated_at=0.0,
     )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Alternating:
+    """Short and medium prompts in turn."""
+
+    lengths: tuple[int, ...] = (100, 1000)
+    count: int = 0
+
+    def next(self, client: int = 0) -> SimRequest:
+        n = self.lengths[self.count % len(self.lengths)]
+        self.count += 1
+        return SimRequest(f"r{self.count:03d}", list(range(100, 100 + n)), 2, client)
+
+
+def test_a_mixed_cluster_is_split_by_the_routers_own_pool_rule(cost: LinearCost):
+    """Aggregated workers register as such, so the router's rule picks the pool: short
+    prompts whole to the aggregated worker, medium ones to the prefill + decode pair."""
+    specs = (WorkerSpec("a0", "aggregated"), WorkerSpec("p0", "prefill"),
+             WorkerSpec("d0", "decode"))  # fmt: skip
+    config = ClusterConfig(specs, EngineConfig(), EngineConfig(), AdmissionSettings())
+    scenario = Scenario("mixed", config, PROMPT_300, ClosedLoop(1, 4))
+    records = simulate(scenario, cost, source=Alternating()).records  # type: ignore[arg-type]
+    assert [(r.num_prompt_tokens, r.prefill_worker, r.decode_worker) for r in records] == [
+        (100, "a0", "a0"), (1000, "p0", "d0"), (100, "a0", "a0"), (1000, "p0", "d0"),
+    ]  # fmt: skip
+    assert [r.status for r in records] == [200] * 4
