@@ -19,7 +19,7 @@ from pdserve.registry import ROLES, Role, WorkerInfo
 from prefill_service.request_path import Shipment, first_token_params
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
-from router.gateway import Gateway
+from router.gateway import Gateway, excluding
 from router.ledger import Ledger
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
@@ -281,23 +281,28 @@ class Simulation:
                 ticket = replace(job.ticket, request_id=request.request_id,
                                  arrival_s=self.loop.time())  # fmt: skip
             record.bucket = ticket.bucket
-            lease = await self.meter.run(self.admission.admit(ticket))
+            while True:
+                lease = await self.meter.run(self.admission.admit(ticket))
+                record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
+                record.prefill_worker = lease.prefill.worker_id
+                record.decode_worker = lease.decode.worker_id
+                try:
+                    await self._run_leased(request, params, lease, record)
+                    return record
+                except OverloadedError:  # Run._next: a full decode worker; try each other once
+                    with self.meter:
+                        excluded = excluding(ticket, lease.decode.worker_id, self.pool)
+                    if excluded is None:
+                        raise
+                    ticket = replace(ticket, excluded_decode_ids=excluded)
+                finally:
+                    self.meter.call(lease.end)
         except InvalidRequestError:
             record.status = 400
-            return record
         except OverloadedError as e:
             record.status, record.reason = 429, e.reason
-            return record
         except UnavailableError:
             record.status = 503
-            return record
-        record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
-        record.prefill_worker = lease.prefill.worker_id
-        record.decode_worker = lease.decode.worker_id
-        try:
-            await self._run_leased(request, params, lease, record)
-        finally:
-            self.meter.call(lease.end)
         return record
 
     async def _run_leased(self, request: SimRequest, params: SamplingParams, lease: Lease,
@@ -316,9 +321,9 @@ class Simulation:
         except engine_errors.InvalidRequestError:
             record.status = 400
             return
-        except engine_errors.EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
-            record.status, record.reason = 429, "decode_kv"
-            return
+        except engine_errors.EngineBusyError as e:  # RESOURCE_EXHAUSTED, as upstream.error_of
+            await asyncio.sleep(hop)  # decode -> router
+            raise OverloadedError("decode_kv", str(e), 1.0) from e
         if not sink.done.done():
             worker.listen(request.request_id, lambda o: sink.on_output(o, self.loop.time()))
             worker.kick()

@@ -12,12 +12,15 @@ from engine import EngineConfig, SamplingParams
 from pdserve.registry import WorkerInfo, WorkerLoad
 from pdserve.worker_runtime import registry_entry
 from prefill_service.request_path import Shipment, first_token_params
+from router.gateway import excluding
 from router.settings import AdmissionSettings
+from router.workers import WorkerPool
 from sim.clock import VirtualTimeLoop
 from sim.cluster import ClusterConfig
 from sim.scenario import Scenario, simulate
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import ClosedLoop, LengthMix, SimRequest
+from tests.router import router_harness as harness
 from tests.sim.conftest import LinearCost
 
 # 300 tokens in blocks of 16 are 19 blocks, the last one partial; chunks of 128 compute them
@@ -191,3 +194,35 @@ def test_a_mixed_cluster_is_split_by_the_routers_own_pool_rule(cost: LinearCost)
         (100, "a0", "a0"), (1000, "p0", "d0"), (100, "a0", "a0"), (1000, "p0", "d0"),
     ]  # fmt: skip
     assert [r.status for r in records] == [200] * 4
+
+
+def test_a_request_a_full_decode_worker_refuses_tries_each_other_once(cost: LinearCost):
+    """Decode workers that take one request at a time (max_num_seqs 1), three requests at
+    once: the first two spread over d0 and d1, the third is refused by d0, then by d1 (the
+    router's exclusion rule), and only then gets its 429."""
+    specs = (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode"), WorkerSpec("d1", "decode"))
+    config = ClusterConfig(specs, EngineConfig(), EngineConfig(max_num_seqs=1))
+    records = simulate(Scenario("refused", config, PROMPT_300, ClosedLoop(3, 3)), cost).records
+    assert [(r.status, r.reason, r.decode_worker) for r in records] == [
+        (200, "", "d0"), (200, "", "d1"), (429, "decode_kv", "d1"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("excluded", "moving_from", "expected"),
+    [
+        (set(), "d0", {"d0"}),
+        ({"d0"}, "d1", {"d0", "d1"}),  # the aggregated worker is still left
+        ({"d0", "a0"}, "d1", None),
+        (set(), "gone", {"gone"}),  # a worker that left the registry meanwhile
+    ],
+)  # fmt: skip
+def test_a_request_moves_on_while_a_decode_side_worker_is_left(
+    excluded: set[str], moving_from: str, expected: set[str] | None
+):
+    pool = WorkerPool(500.0)
+    pool.update("decode", [harness.worker("decode", "d0"), harness.worker("decode", "d1")])
+    pool.update("aggregated", [harness.worker("aggregated", "a0")])
+    ticket = replace(harness.ticket("r", 100), excluded_decode_ids=frozenset(excluded))
+    left = excluding(ticket, moving_from, pool)
+    assert left == (None if expected is None else frozenset(expected))
