@@ -270,7 +270,8 @@ class Admission:
         self._check_capacity(ticket, decode)
         num_free = sum(w.free_blocks for w in decode)
         num_total = sum(w.total_blocks for w in decode)
-        if num_free < self.settings.kv_reject_below_ratio * num_total:
+        headroom_checked = self.settings.mode != "pass_through"
+        if headroom_checked and num_free < self.settings.kv_reject_below_ratio * num_total:
             raise self._reject(
                 ticket, "kv_headroom",
                 f"decode KV cache is full ({num_free} of {num_total} blocks free)", 1.0,
