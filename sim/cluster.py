@@ -1,7 +1,8 @@
 """The simulated cluster: real router objects (Gateway.job's limits, Admission with its queue,
 aging and 429 rules, the routing policies, WorkerPool and Ledger) in front of SimWorkers, on
-the virtual clock. What the gRPC services do between them (decode-driven remote prefill, KV
-shipped per finished chunk, streaming) is replayed here with the network as a cost model."""
+the virtual clock. Between them, the services' calls (decode-driven remote prefill, KV
+shipped per finished chunk, streaming) are modelled as coroutines with the network as a cost
+model; the rules those calls follow are the services' and the router's own functions."""
 
 from __future__ import annotations
 
