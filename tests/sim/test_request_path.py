@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from engine import EngineConfig, SamplingParams
+from engine.request import Request
 from pdserve.registry import WorkerInfo, WorkerLoad
 from pdserve.worker_runtime import registry_entry
 from prefill_service.request_path import Shipment, first_token_params
@@ -86,7 +87,7 @@ def test_blocks_leave_as_they_become_final_and_stay_held_until_released(loop: Vi
     taken: list[slice] = []
     held: list[int] = []
 
-    def ship(request) -> None:
+    def ship(request: Request) -> None:
         final = shipment.take_final_blocks(request, engine.kv)
         if final is not None:
             taken.append(final)
@@ -123,7 +124,7 @@ def test_blocks_the_decode_worker_holds_are_never_sent(loop: VirtualTimeLoop):
     assert taken == [None, None, slice(18, 19)]
 
 
-def test_the_simulated_prefill_ships_by_the_same_rule(cost: LinearCost):
+def test_the_simulated_prefill_ships_by_the_same_rule():
     """Two identical 300-token prompts, one after the other: the first goes out as the rule
     above takes it (8, 8, then 3 blocks), the second only as its 19th block, the decode
     worker holding the rest. The prefill worker runs its three chunks and one more step for
