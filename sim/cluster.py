@@ -132,6 +132,7 @@ class _Transfer:
 
     shipment: Shipment
     done_at: float = 0.0  # when the last block sent so far lands
+    held_block_ids: list[int] = field(default_factory=list)  # referenced until settled
 
 
 @dataclass(slots=True)
@@ -360,8 +361,12 @@ class Simulation:
         prefill.kick()
         output = await finished
         del self._transfers[rid]
-        # The response leaves once the last block has landed; then one hop back to decode.
-        await asyncio.sleep(max(0.0, transfer.done_at - self.loop.time()) + hop)
+        # PrefillService._settle: once every send has landed the held blocks go back; then the
+        # response takes one hop back to the decode worker.
+        await asyncio.sleep(max(0.0, transfer.done_at - self.loop.time()))
+        prefill.engine.kv.release(transfer.held_block_ids)
+        prefill.kick()
+        await asyncio.sleep(hop)
         first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
         sink.on_output(first, self.loop.time())
         return [reserved, prefill_request]
@@ -377,13 +382,8 @@ class Simulation:
         if final is None:
             return
         block_ids = request.block_ids[final]
+        transfer.held_block_ids.extend(block_ids)
         now = worker.clock()  # the end of the step that computed them
         begins = max(now, self.kv_links.get(worker.worker_id, 0.0))
         done = begins + self.cost.kv_transfer_s(len(block_ids) * kv.block_size)
         self.kv_links[worker.worker_id] = transfer.done_at = done
-
-        def release() -> None:
-            kv.release(block_ids)
-            worker.kick()
-
-        self.loop.call_at(done, release)
