@@ -95,7 +95,6 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         self.engine = runtime.engine
         self.loop = runtime.loop
         self.settings = settings or DecodeSettings()
-        self.block_size = runtime.settings.engine.block_size
         self.unfenced_writers = UnfencedWriters(
             lambda ids: self.loop.post(lambda: self.engine.kv.release_quarantined(ids))
         )
@@ -224,7 +223,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         """Asks prefill workers in turn to fill the reserved blocks, each attempt under a fresh
         transfer id (bytes still in flight from a failed attempt can never count for the
         next); every failed attempt is fenced before the next starts or the request ends."""
-        num_cached_blocks = reserved.num_cached_tokens // self.block_size
+        num_cached_blocks = self.engine.kv.first_remote_block(reserved)
         # Our prefix hits stay held, full and unchanged, until the request ends, and we free
         # them only after forgetting its transfer id: the prefill worker may read them meanwhile.
         readable = self.runtime.settings.peer_fetch and num_cached_blocks > 0

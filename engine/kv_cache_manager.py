@@ -128,7 +128,7 @@ class KVCacheManager:
     def quarantine_remote_blocks(self, request: Request) -> list[int]:
         """Moves the blocks a remote writer was given (those past the request's prefix hits)
         from the request into quarantine: the writer was not fenced. Returns their ids."""
-        first = self._first_remote_block(request)
+        first = self.first_remote_block(request)
         unfenced = request.block_ids[first:]
         request.block_ids = request.block_ids[:first]
         self._quarantine(unfenced)
@@ -137,7 +137,7 @@ class KVCacheManager:
     def replace_remote_blocks(self, request: Request) -> list[int]:
         """Quarantines the blocks a remote writer was given and puts fresh ones in their place,
         for another writer. Returns the quarantined ids."""
-        first = self._first_remote_block(request)
+        first = self.first_remote_block(request)
         unfenced = request.block_ids[first:]
         if len(unfenced) > self.pool.num_free_blocks:
             raise InsufficientKVError(len(unfenced), self.pool.num_free_blocks)
@@ -150,7 +150,10 @@ class KVCacheManager:
         self.quarantined.difference_update(block_ids)
         self.pool.free(block_ids)
 
-    def _first_remote_block(self, request: Request) -> int:
+    def first_remote_block(self, request: Request) -> int:
+        """For a request reserved for a remote prefill: the blocks before this one are its own
+        prefix hits, whole blocks only; the sender skips them and writes the rest (a partly
+        hit block included: it is recomputed and sent)."""
         return request.num_cached_tokens // self.block_size
 
     def _quarantine(self, block_ids: list[int]) -> None:

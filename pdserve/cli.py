@@ -138,7 +138,7 @@ ROUTING_POLICY = Option(
     own_default=_field_default(RoutingSettings, "policy"),
 )  # fmt: skip
 ADMISSION = Option(
-    "admission", "PDSERVE_ADMISSION", "length_aware | fifo.",
+    "admission", "PDSERVE_ADMISSION", "length_aware | fifo | pass_through.",
     own_default=_field_default(AdmissionSettings, "mode"),
 )  # fmt: skip
 

@@ -20,9 +20,10 @@ import kvtransfer
 from engine import LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineDiedError
+from engine.llm_engine import EngineStats
 from pdserve import phase
 from pdserve.kv_events import CacheEventPublisher
-from pdserve.registry import Heartbeat, Registry, WorkerInfo, WorkerLoad
+from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
 from pdserve.tls import server_credentials
 from pdserve.worker_settings import WorkerSettings
 
@@ -54,6 +55,28 @@ _SPARE_RPC_THREADS = 16
 # After the engine died: how long failing requests get to send their error before the exit.
 _DEATH_GRACE_S = 1.0
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: Kubernetes or the local launcher restarts the worker
+
+
+def registry_entry(
+    engine: LLMEngine, stats: EngineStats, *, role: Role, worker_id: str, address: str,
+    metrics_url: str, kv_backend: str, peer_fetch: bool,
+) -> WorkerInfo:  # fmt: skip
+    """What a heartbeat publishes: who and where the worker is, its engine's limits, and its
+    load from stats (a snapshot the engine thread took, never the live scheduler)."""
+    return WorkerInfo(
+        role=role, worker_id=worker_id, address=address, metrics_url=metrics_url,
+        kv_backend=kv_backend, max_model_len=engine.max_model_len,
+        chunk_size=engine.config.chunk_size, block_size=engine.config.block_size,
+        load=WorkerLoad(
+            queued_tokens=stats.num_queued_tokens,
+            running_requests=stats.num_running_requests,
+            waiting_requests=stats.num_waiting_requests,
+            free_blocks=stats.num_free_blocks,
+            total_blocks=stats.num_blocks,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        ),
+        peer_fetch=peer_fetch,
+    )  # fmt: skip
 
 
 class WorkerRuntime:
@@ -150,28 +173,14 @@ class WorkerRuntime:
         return f"{host}:{self.port}"
 
     def info(self) -> WorkerInfo:
-        stats = self.loop.stats
         self._refresh_gauges()
         host = self.settings.advertise_host or self.settings.host
-        return WorkerInfo(
-            role=self.settings.role,
-            worker_id=self.settings.worker_id,
-            address=self.address,
+        return registry_entry(
+            self.engine, self.loop.stats, role=self.settings.role,
+            worker_id=self.settings.worker_id, address=self.address,
             metrics_url=f"http://{host}:{self.metrics_port}/metrics",
-            kv_backend=self.kv_agent.backend,
-            max_model_len=self.engine.max_model_len,
-            chunk_size=self.settings.engine.chunk_size,
-            block_size=self.settings.engine.block_size,
-            load=WorkerLoad(
-                queued_tokens=stats.num_queued_tokens,
-                running_requests=stats.num_running_requests,
-                waiting_requests=stats.num_waiting_requests,
-                free_blocks=stats.num_free_blocks,
-                total_blocks=stats.num_blocks,
-                prefill_tokens_per_s=stats.prefill_tokens_per_s,
-            ),
-            peer_fetch=self.settings.peer_fetch,
-        )
+            kv_backend=self.kv_agent.backend, peer_fetch=self.settings.peer_fetch,
+        )  # fmt: skip
 
     def _observe_step(self, seconds: float, batch_size: int) -> None:
         STEP_SECONDS.observe(seconds)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,6 +22,7 @@ from pdserve.worker.v1 import worker_pb2_grpc
 from pdserve.worker_runtime import WorkerRuntime
 from prefill_service import metrics
 from prefill_service.peer_fetch import Fetched, PrefixFetcher
+from prefill_service.request_path import Shipment, first_token_params
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0  # for a caller that sets no deadline
@@ -34,8 +35,7 @@ class PrefillJob:
     request_id: str
     peer_metadata: bytes
     dst_block_ids: list[int]
-    num_skipped_blocks: int  # the decode worker already holds these
-    num_sent_blocks: int = 0
+    shipment: Shipment
     held_block_ids: list[int] = field(default_factory=list)  # referenced until sent
     handles: list[kvtransfer.TransferHandle] = field(default_factory=list)
     fetched: Fetched = field(default_factory=Fetched)  # the prefix read from the decode worker
@@ -62,16 +62,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self._check_destination(len(prompt), dest)
         remaining_s = context.time_remaining()
         deadline_s = time.monotonic() + (DEFAULT_TIMEOUT_S if remaining_s is None else remaining_s)
-        # The prefill engine samples only the first token (of sample 0: the decode worker
-        # forks the others), the one after the output a moved request had already; stop
-        # rules are the decode's job, but that token obeys min_tokens too (EOS and stop
-        # tokens suppressed).
-        asked = grpc_convert.sampling_params(request.params)
         num_prior = request.num_prior_output_tokens
-        num_through_first = num_prior + 1
-        params = replace(asked, max_tokens=num_through_first,
-                         min_tokens=min(asked.min_tokens, num_through_first), n=1)  # fmt: skip
-        job = PrefillJob(rid, dest.agent_metadata, list(dest.block_ids), dest.num_cached_blocks)
+        params = first_token_params(grpc_convert.sampling_params(request.params), num_prior)
+        job = PrefillJob(rid, dest.agent_metadata, list(dest.block_ids),
+                         Shipment(dest.num_cached_blocks))  # fmt: skip
         loop = self.runtime.loop
 
         def admit():
@@ -125,7 +119,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             num_prefix_hit_tokens=r.num_cached_tokens - num_fetched,
             num_peer_fetched_tokens=num_fetched,
             kv_bytes_sent=sum(h.num_bytes for h in job.handles),
-            num_blocks_sent=job.num_sent_blocks - job.num_skipped_blocks,
+            num_blocks_sent=job.shipment.num_sent_blocks - job.shipment.num_skipped_blocks,
             queue_wait_s=queue_wait,
             compute_s=compute,
             transfer_s=job.fetched.seconds + transfer,
@@ -151,28 +145,20 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             )
 
     def _ship_finished_blocks(self, request: Request) -> None:
-        """Engine thread, after each step: send every block that is now final. A block is final
-        when full, and the last partial block once the whole prompt is computed."""
+        """Engine thread, after each step: send every block that is now final."""
         job = self.jobs.get(request.request_id)
         if job is None or job.error is not None:
             return
-        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
-        if computed == request.num_prompt_tokens:
-            num_final = -(-computed // self.block_size)
+        if request.num_computed_tokens >= request.num_prompt_tokens:
             job.sampler_state = request.sampler_state()  # the first token was just sampled
-        else:
-            num_final = computed // self.block_size
-        start = max(job.num_sent_blocks, job.num_skipped_blocks)
-        if num_final <= start:
+        final = job.shipment.take_final_blocks(request, self.engine.kv)
+        if final is None:
             return
-        src = request.block_ids[start:num_final]
-        # Hold a reference so the blocks outlive the request until the bytes have left.
-        self.engine.kv.hold(src)
-        job.held_block_ids.extend(src)
-        job.num_sent_blocks = num_final
+        src = request.block_ids[final]
+        job.held_block_ids.extend(src)  # released by _settle, once the bytes have left
         try:
             handle = self.runtime.kv_agent.send(
-                job.peer_metadata, job.request_id, src, job.dst_block_ids[start:num_final]
+                job.peer_metadata, job.request_id, src, job.dst_block_ids[final]
             )
             job.handles.append(handle)
         except (kvtransfer.KVTransferError, ValueError) as e:

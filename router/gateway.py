@@ -69,6 +69,17 @@ class Job:
         return remaining_s
 
 
+def excluding(ticket: Ticket, worker_id: str, pool: WorkerPool) -> frozenset[str] | None:
+    """The decode workers a request moving on from worker_id must avoid: each it was lost on
+    or refused by, so a refusal is tried once per decode worker. None when no registered
+    decode-side worker is left to try."""
+    excluded = ticket.excluded_decode_ids | {worker_id}
+    decoders = pool.infos("decode") + pool.infos("aggregated")
+    if all(w.worker_id in excluded for w in decoders):
+        return None
+    return excluded
+
+
 class Gateway:
     def __init__(
         self, settings: RouterSettings, tokenizer: TextTokenizer, pool: WorkerPool,
@@ -326,9 +337,8 @@ class Run:
         if is_migration and started and self.job.params.n > 1:
             # n samples are n sequences on one worker.
             raise error
-        excluded = self.ticket.excluded_decode_ids | {lost_id}
-        decoders = gateway.pool.infos("decode") + gateway.pool.infos("aggregated")
-        if all(w.worker_id in excluded for w in decoders):
+        excluded = excluding(self.ticket, lost_id, gateway.pool)
+        if excluded is None:
             if not is_migration:
                 raise error
             raise UnavailableError(

@@ -9,9 +9,9 @@ from pdserve.lengths import LengthBucket, LengthBuckets
 from pdserve.tls import TLSFiles
 
 PolicyName = Literal["watermark", "round_robin", "hash"]
-AdmissionMode = Literal["length_aware", "fifo"]
+AdmissionMode = Literal["length_aware", "fifo", "pass_through"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("watermark", "round_robin", "hash")
-ADMISSION_MODES: tuple[AdmissionMode, ...] = ("length_aware", "fifo")
+ADMISSION_MODES: tuple[AdmissionMode, ...] = ("length_aware", "fifo", "pass_through")
 
 
 class SettingsError(ValueError):
@@ -20,6 +20,9 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
+    # length_aware: the bucket queues below; fifo: one arrival order. pass_through: what a
+    # plain Kubernetes Service in front of the workers gives, a baseline: every request goes
+    # to a worker at once, with no prefill budget, KV room or KV headroom checked here.
     mode: AdmissionMode = "length_aware"
     buckets: LengthBuckets = field(default_factory=LengthBuckets)
     # Aging: a medium/long request is served as if it had arrived this much later than it did,
@@ -68,8 +71,9 @@ class AdmissionSettings:
             raise SettingsError("admission settings: " + "; ".join(problems))
 
     def delays_s(self) -> dict[LengthBucket, float]:
-        """Per-bucket aging delay; FIFO is the same queue with every delay 0."""
-        if self.mode == "fifo":
+        """Per-bucket aging delay; FIFO is the same queue with every delay 0 (and so is pass
+        through, whose queue never holds a request)."""
+        if self.mode != "length_aware":
             return {"short": 0.0, "medium": 0.0, "long": 0.0}
         return {"short": 0.0, "medium": self.medium_delay_s, "long": self.long_delay_s}
 

@@ -1,7 +1,8 @@
 """The simulated cluster: real router objects (Gateway.job's limits, Admission with its queue,
 aging and 429 rules, the routing policies, WorkerPool and Ledger) in front of SimWorkers, on
-the virtual clock. What the gRPC services do between them (decode-driven remote prefill, KV
-shipped per finished chunk, streaming) is replayed here with the network as a cost model."""
+the virtual clock. Between them, the services' calls (decode-driven remote prefill, KV
+shipped per finished chunk, streaming) are modelled as coroutines with the network as a cost
+model; the rules those calls follow are the services' and the router's own functions."""
 
 from __future__ import annotations
 
@@ -9,35 +10,32 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from engine import EngineConfig, SamplingParams
 from engine import errors as engine_errors
 from engine.request import Request, StepOutput
 from pdserve.lengths import LENGTH_BUCKETS
-from pdserve.registry import Role, WorkerInfo
+from pdserve.registry import ROLES, Role, WorkerInfo
+from prefill_service.request_path import Shipment, first_token_params
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
-from router.gateway import Gateway
+from router.gateway import Gateway, excluding
 from router.ledger import Ledger
-from router.routing import RoutingPolicies, build_policies
-from router.routing.framework import Policy
+from router.routing import build_policies
 from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
-from router.ticket import Ticket
-from router.workers import WorkerPool, WorkerView
+from router.workers import WorkerPool
 from sim.clock import SimulationStalled
 from sim.costs import CostModel
 from sim.worker import CoreShare, SimWorker, WorkerSpec
 from sim.workload import ClosedLoop, OpenLoop, RequestSource, SimRequest
 
 T = TypeVar("T")
-Mode = Literal["pd", "aggregated"]
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    mode: Mode
-    workers: tuple[WorkerSpec, ...]
+    workers: tuple[WorkerSpec, ...]  # the router's own rules pick the pool for each request
     prefill_engine: EngineConfig  # prefill workers (and aggregated ones)
     decode_engine: EngineConfig
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
@@ -129,38 +127,12 @@ class _Metered:
 
 
 @dataclass(slots=True)
-class _Recording:
-    """Aggregated placement, prefill side: the real prefill policy, remembering its choice."""
-
-    policy: Policy
-    chosen: str | None = None
-
-    def choose(self, workers: list[WorkerView], ticket: Ticket) -> WorkerView | None:
-        worker = self.policy.choose(workers, ticket)
-        self.chosen = worker.worker_id if worker else None
-        return worker
-
-
-@dataclass(slots=True)
-class _SameWorker:
-    """Aggregated placement, decode side: the real decode policy's filters, on the worker the
-    prefill policy just chose (prefill and decode share its engine)."""
-
-    policy: Policy
-    prefill: _Recording
-
-    def choose(self, workers: list[WorkerView], ticket: Ticket) -> WorkerView | None:
-        return self.policy.choose([w for w in workers if w.worker_id == self.prefill.chosen],
-                                  ticket)  # fmt: skip
-
-
-@dataclass(slots=True)
-class _Shipment:
+class _Transfer:
     """A remote prefill's KV on its way to the decode worker (PrefillJob's simulated twin)."""
 
-    num_skipped_blocks: int
-    num_sent_blocks: int = 0
-    done_at: float = 0.0
+    shipment: Shipment
+    done_at: float = 0.0  # when the last block sent so far lands
+    held_block_ids: list[int] = field(default_factory=list)  # referenced until settled
 
 
 @dataclass(slots=True)
@@ -200,15 +172,12 @@ class Simulation:
             if spec.kind == "prefill":
                 worker.engine.on_computed = lambda r, w=worker: self._ship(w, r)
             self.workers[spec.worker_id] = worker
-        self.registry: dict[Role, dict[str, WorkerInfo]] = {"prefill": {}, "decode": {}}
+        self.registry: dict[Role, dict[str, WorkerInfo]] = {role: {} for role in ROLES}
         self.pool = WorkerPool(
             config.admission.default_prefill_tokens_per_s,
             ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
         )
         policies = build_policies(config.routing, config.admission)
-        if config.mode == "aggregated":
-            recording = _Recording(policies.prefill)
-            policies = RoutingPolicies(recording, _SameWorker(policies.decode, recording))  # type: ignore[arg-type]
         self.admission = Admission(config.admission, self.pool, policies, clock=clock)
         settings = RouterSettings(redis_url="sim://", admission=config.admission,
                                   routing=config.routing)  # fmt: skip
@@ -217,24 +186,19 @@ class Simulation:
         self.records: list[Record] = []
         self.samples = Samples()
         self.kv_links: dict[str, float] = {}  # prefill worker -> when its link is free
-        self._shipments: dict[str, _Shipment] = {}
+        self._transfers: dict[str, _Transfer] = {}
         self._background: list[asyncio.Task[None]] = []
 
     # ---- the control plane -----------------------------------------------------------------
-    def roles_of(self, worker: SimWorker) -> tuple[Role, ...]:
-        kind = worker.spec.kind
-        return ("prefill", "decode") if kind == "aggregated" else (kind,)  # type: ignore[return-value]
-
     def _publish(self, worker: SimWorker) -> None:
-        for role in self.roles_of(worker):
-            self.registry[role][worker.worker_id] = worker.info(role)
+        self.registry[worker.spec.kind][worker.worker_id] = worker.info()
         usage = 1.0 - worker.stats.num_free_blocks / worker.stats.num_blocks
         worker.timeline.kv_usage.append((self.loop.time(), usage))
 
     def _refresh(self) -> None:
         """RouterServer._refresh: take the registry's snapshot, then dispatch."""
         with self.meter:
-            for role in ("prefill", "decode"):
+            for role in ROLES:
                 self.pool.update(role, list(self.registry[role].values()))
             self.admission.dispatch()
         depth = {b: self.admission.queue.depth(b) for b in LENGTH_BUCKETS}
@@ -319,23 +283,28 @@ class Simulation:
                 ticket = replace(job.ticket, request_id=request.request_id,
                                  arrival_s=self.loop.time())  # fmt: skip
             record.bucket = ticket.bucket
-            lease = await self.meter.run(self.admission.admit(ticket))
+            while True:
+                lease = await self.meter.run(self.admission.admit(ticket))
+                record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
+                record.prefill_worker = lease.prefill.worker_id
+                record.decode_worker = lease.decode.worker_id
+                try:
+                    await self._run_leased(request, params, lease, record)
+                    return record
+                except OverloadedError:  # Run._next: a full decode worker; try each other once
+                    with self.meter:
+                        excluded = excluding(ticket, lease.decode.worker_id, self.pool)
+                    if excluded is None:
+                        raise
+                    ticket = replace(ticket, excluded_decode_ids=excluded)
+                finally:
+                    self.meter.call(lease.end)
         except InvalidRequestError:
             record.status = 400
-            return record
         except OverloadedError as e:
             record.status, record.reason = 429, e.reason
-            return record
         except UnavailableError:
             record.status = 503
-            return record
-        record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
-        record.prefill_worker = lease.prefill.worker_id
-        record.decode_worker = lease.decode.worker_id
-        try:
-            await self._run_leased(request, params, lease, record)
-        finally:
-            self.meter.call(lease.end)
         return record
 
     async def _run_leased(self, request: SimRequest, params: SamplingParams, lease: Lease,
@@ -345,7 +314,7 @@ class Simulation:
         await asyncio.sleep(hop)  # router -> the decode (or aggregated) worker
         worker = self.workers[lease.decode.worker_id]
         try:
-            if self.config.mode == "aggregated":
+            if worker.spec.kind == "aggregated":  # DecodeService with settings.aggregated
                 requests = [
                     worker.engine.add_request(request.request_id, request.prompt_token_ids, params)
                 ]
@@ -354,9 +323,9 @@ class Simulation:
         except engine_errors.InvalidRequestError:
             record.status = 400
             return
-        except engine_errors.EngineError:  # the decode worker is full: RESOURCE_EXHAUSTED -> 429
-            record.status, record.reason = 429, "decode_kv"
-            return
+        except engine_errors.EngineBusyError as e:  # RESOURCE_EXHAUSTED, as upstream.error_of
+            await asyncio.sleep(hop)  # decode -> router
+            raise OverloadedError("decode_kv", str(e), 1.0) from e
         if not sink.done.done():
             worker.listen(request.request_id, lambda o: sink.on_output(o, self.loop.time()))
             worker.kick()
@@ -379,53 +348,42 @@ class Simulation:
         reserved = decode.engine.reserve_for_remote_prefill(rid, request.prompt_token_ids, params)
         prefill = self.workers[lease.prefill.worker_id]
         await asyncio.sleep(hop)  # decode -> prefill: the Prefill RPC
-        block_size = decode.engine.config.block_size
-        shipment = _Shipment(reserved.num_cached_tokens // block_size)
-        first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        transfer = _Transfer(Shipment(decode.engine.kv.first_remote_block(reserved)))
         finished: asyncio.Future[StepOutput] = self.loop.create_future()
         try:
             prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
-                                                         first_params)  # fmt: skip
+                                                         first_token_params(params, 0))  # fmt: skip
         except engine_errors.EngineError:
             decode.engine.abort_request(rid)
             raise
-        self._shipments[rid] = shipment
+        self._transfers[rid] = transfer
         prefill.listen(rid, lambda o: o.finished and finished.set_result(o))
         prefill.kick()
         output = await finished
-        del self._shipments[rid]
-        # The response leaves once the last block has landed; then one hop back to decode.
-        await asyncio.sleep(max(0.0, shipment.done_at - self.loop.time()) + hop)
+        del self._transfers[rid]
+        # PrefillService._settle: once every send has landed the held blocks go back; then the
+        # response takes one hop back to the decode worker.
+        await asyncio.sleep(max(0.0, transfer.done_at - self.loop.time()))
+        prefill.engine.kv.release(transfer.held_block_ids)
+        prefill.kick()
+        await asyncio.sleep(hop)
         first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
         sink.on_output(first, self.loop.time())
         return [reserved, prefill_request]
 
     def _ship(self, worker: SimWorker, request: Request) -> None:
-        """PrefillService._ship_finished_blocks on the engine thread after a step: every block
-        that became final is held (kv.hold) and sent; the link carries one send at a time."""
-        shipment = self._shipments.get(request.request_id)
-        if shipment is None:
+        """PrefillService._ship_finished_blocks on the engine thread after a step: the blocks
+        that became final are held and sent; the link carries one send at a time."""
+        transfer = self._transfers.get(request.request_id)
+        if transfer is None:
             return
-        block_size = worker.engine.config.block_size
-        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
-        if computed == request.num_prompt_tokens:
-            num_final = -(-computed // block_size)
-        else:
-            num_final = computed // block_size
-        start = max(shipment.num_sent_blocks, shipment.num_skipped_blocks)
-        if num_final <= start:
-            return
-        block_ids = request.block_ids[start:num_final]
         kv = worker.engine.kv
-        kv.hold(block_ids)
-        shipment.num_sent_blocks = num_final
+        final = transfer.shipment.take_final_blocks(request, kv)
+        if final is None:
+            return
+        block_ids = request.block_ids[final]
+        transfer.held_block_ids.extend(block_ids)
         now = worker.clock()  # the end of the step that computed them
         begins = max(now, self.kv_links.get(worker.worker_id, 0.0))
-        done = begins + self.cost.kv_transfer_s((num_final - start) * block_size)
-        self.kv_links[worker.worker_id] = shipment.done_at = done
-
-        def release() -> None:
-            kv.release(block_ids)
-            worker.kick()
-
-        self.loop.call_at(done, release)
+        done = begins + self.cost.kv_transfer_s(len(block_ids) * kv.block_size)
+        self.kv_links[worker.worker_id] = transfer.done_at = done

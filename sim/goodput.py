@@ -46,11 +46,11 @@ def cluster(num_prefill: int, num_workers: int, num_blocks: int) -> ClusterConfi
     engine = EngineConfig(num_blocks=num_blocks, max_num_seqs=256, chunk_size=512)
     if num_prefill == 0:
         specs = tuple(WorkerSpec(f"c{i}", "aggregated") for i in range(num_workers))
-        return ClusterConfig("aggregated", specs, engine, engine)
+        return ClusterConfig(specs, engine, engine)
     specs = tuple(WorkerSpec(f"p{i}", "prefill") for i in range(num_prefill)) + tuple(
         WorkerSpec(f"d{i}", "decode") for i in range(num_workers - num_prefill)
     )
-    return ClusterConfig("pd", specs, engine, engine)
+    return ClusterConfig(specs, engine, engine)
 
 
 def attainment(records: list[Record], workload: Workload, duration_s: float) -> float:

@@ -28,7 +28,7 @@ def cluster(num_workers: int, num_blocks: int) -> ClusterConfig:
     specs = tuple(WorkerSpec(f"gpu{i:02d}", "aggregated", 2.0 if i % 8 == 7 else 1.0)
                   for i in range(num_workers))  # fmt: skip
     engine = EngineConfig(num_blocks=num_blocks, max_num_seqs=128, chunk_size=1024)
-    return ClusterConfig("aggregated", specs, engine, engine, AdmissionSettings(),
+    return ClusterConfig(specs, engine, engine, AdmissionSettings(),
                          RoutingSettings())  # fmt: skip
 
 

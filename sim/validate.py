@@ -86,7 +86,7 @@ def predict(num_prefill: int, num_decode: int, items: list[SimRequest],
     specs = tuple(
         WorkerSpec(f"prefill-{i}", "prefill", speed_factor) for i in range(num_prefill)
     ) + tuple(WorkerSpec(f"decode-{i}", "decode", speed_factor) for i in range(num_decode))
-    config = ClusterConfig("pd", specs, EngineConfig(), EngineConfig(), admission(),
+    config = ClusterConfig(specs, EngineConfig(), EngineConfig(), admission(),
                            RoutingSettings())  # fmt: skip
     scenario = Scenario(f"validate-{num_prefill}p{num_decode}d", config, LengthMix(),
                         ClosedLoop(CONCURRENCY, len(items)))  # fmt: skip

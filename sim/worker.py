@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
 
 from engine import EngineConfig, LLMEngine
 from engine.request import StepOutput
 from engine.scheduler import ScheduledRequest
-from pdserve.registry import Role, WorkerInfo, WorkerLoad
+from pdserve.registry import Role, WorkerInfo
+from pdserve.worker_runtime import registry_entry
 from sim.costs import CostModel, StepShape
 
-WorkerKind = Literal["prefill", "decode", "aggregated"]
 OUTPUT_TOKEN_ID = 100  # every generated token; requests set ignore_eos, so length decides
 EOS_TOKEN_ID = 2
 
@@ -22,7 +21,7 @@ EOS_TOKEN_ID = 2
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     worker_id: str
-    kind: WorkerKind
+    kind: Role  # what it registers as
     speed_factor: float = 1.0  # step time multiplier: 2.0 is a card half as fast
 
 
@@ -122,20 +121,14 @@ class SimWorker:
     def listen(self, request_id: str, listener: Callable[[StepOutput], None]) -> None:
         self.listeners[request_id] = listener
 
-    def info(self, role: Role) -> WorkerInfo:
-        """The registry entry a heartbeat would publish now (EngineLoop's stats snapshot)."""
-        s = self.stats
-        return WorkerInfo(
-            role=role, worker_id=self.worker_id, address=f"sim://{self.worker_id}",
-            metrics_url="", kv_backend="sim", max_model_len=self.engine.max_model_len,
-            chunk_size=self.engine.config.chunk_size, block_size=self.engine.config.block_size,
-            load=WorkerLoad(
-                queued_tokens=s.num_queued_tokens, running_requests=s.num_running_requests,
-                waiting_requests=s.num_waiting_requests, free_blocks=s.num_free_blocks,
-                total_blocks=s.num_blocks, prefill_tokens_per_s=s.prefill_tokens_per_s,
-            ),
-            updated_at=self.loop.time(),
+    def info(self) -> WorkerInfo:
+        """The registry entry a heartbeat would publish now (EngineLoop's stats snapshot),
+        stamped as Registry.publish stamps it."""
+        entry = registry_entry(
+            self.engine, self.stats, role=self.spec.kind, worker_id=self.worker_id,
+            address=f"sim://{self.worker_id}", metrics_url="", kv_backend="sim", peer_fetch=False,
         )  # fmt: skip
+        return replace(entry, updated_at=self.loop.time())
 
     async def run(self) -> None:
         """EngineLoop's loop on virtual time: step while there is work, sleep the step's

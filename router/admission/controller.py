@@ -187,8 +187,7 @@ class Admission:
         """(prefill, decode) workers with room now, one worker twice when aggregated, and the
         ticket as the prefill worker was chosen by. With a prefix index the decode worker comes
         first: a prefill worker that fetches can read the prefix it holds
-        (Ticket.held_prefix_tokens). Without one, the prefill worker does (the simulator's
-        aggregated placement follows the prefill policy's choice)."""
+        (Ticket.held_prefix_tokens). Without one, the prefill worker does."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
             worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
@@ -271,7 +270,8 @@ class Admission:
         self._check_capacity(ticket, decode)
         num_free = sum(w.free_blocks for w in decode)
         num_total = sum(w.total_blocks for w in decode)
-        if num_free < self.settings.kv_reject_below_ratio * num_total:
+        headroom_checked = self.settings.mode != "pass_through"
+        if headroom_checked and num_free < self.settings.kv_reject_below_ratio * num_total:
             raise self._reject(
                 ticket, "kv_headroom",
                 f"decode KV cache is full ({num_free} of {num_total} blocks free)", 1.0,

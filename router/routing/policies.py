@@ -27,12 +27,13 @@ class RoutingPolicies:
 def build_policies(
     routing: RoutingSettings, admission: AdmissionSettings, prefixes: PrefixIndex | None = None
 ) -> RoutingPolicies:
-    prefill_filters: tuple[Filter, ...] = (
-        ContextFits(),
-        PrefillBudget(admission.prefill_token_budget),
-    )
-    decode_filters: tuple[Filter, ...] = (ContextFits(), NotExcluded(), KVFits())
-    aggregated_filters = (*prefill_filters, NotExcluded(), KVFits())
+    # pass_through: no prefill budget and no KV room to wait for; the workers queue.
+    passing = admission.mode == "pass_through"
+    budget = () if passing else (PrefillBudget(admission.prefill_token_budget),)
+    kv_room = () if passing else (KVFits(),)
+    prefill_filters: tuple[Filter, ...] = (ContextFits(), *budget)
+    decode_filters: tuple[Filter, ...] = (ContextFits(), NotExcluded(), *kv_room)
+    aggregated_filters = (*prefill_filters, NotExcluded(), *kv_room)
     if routing.policy == "watermark":
         prefill_scorers: tuple[tuple[float, Scorer], ...] = (
             (1.0, Watermark(routing.watermark_a, routing.watermark_b)),

@@ -134,6 +134,24 @@ def test_queue_full_rejects_at_once_with_retry_after():
     asyncio.run(scenario())
 
 
+def test_pass_through_sends_every_request_on_at_once():
+    """What a plain Service in front of the workers gives: no prefill budget, KV room or KV
+    headroom is checked here, so no request waits in the router; the workers queue them.
+    The same cluster refuses the first one at once in FIFO mode (its KV cache is full)."""
+    full = (worker("prefill", "p", tokens_per_s=1000), worker("decode", "d", free_blocks=0))
+
+    async def scenario(mode: str) -> list[tuple[str, str]]:
+        adm = admission(*full, mode=mode, prefill_token_budget=1)
+        leases = [await adm.admit(ticket(f"r{i}", 3000)) for i in range(3)]
+        assert len(adm.queue) == 0
+        return [(lease.prefill.worker_id, lease.decode.worker_id) for lease in leases]
+
+    assert asyncio.run(scenario("pass_through")) == [("p", "d")] * 3
+    with pytest.raises(OverloadedError) as refused:
+        asyncio.run(scenario("fifo"))
+    assert refused.value.reason == "kv_headroom"
+
+
 def test_estimated_wait_over_the_limit_rejects_at_once():
     async def scenario() -> None:
         adm = admission(*ONE_OF_EACH, prefill_token_budget=1000, max_queue_wait_s=2.0)

@@ -53,6 +53,6 @@ def pd_cluster(num_prefill: int = 2, num_decode: int = 1, *, slow: float = 1.0,
         for i in range(num_prefill)
     ) + tuple(WorkerSpec(f"d{i}", "decode") for i in range(num_decode))
     return ClusterConfig(
-        "pd", specs, EngineConfig(), EngineConfig(num_blocks=decode_blocks),
+        specs, EngineConfig(), EngineConfig(num_blocks=decode_blocks),
         admission or AdmissionSettings(), RoutingSettings(policy=policy),
     )  # fmt: skip

@@ -80,7 +80,7 @@ def _tiny_pool(num_blocks: int, caching: bool) -> ClusterConfig:
     """One aggregated worker; the router reserves only the prompt, so the engine must grow
     each request's KV itself and preempt when the pool runs out."""
     engine = EngineConfig(num_blocks=num_blocks, watermark=1.0, enable_prefix_caching=caching)
-    return ClusterConfig("aggregated", (WorkerSpec("c0", "aggregated"),), engine, engine,
+    return ClusterConfig((WorkerSpec("c0", "aggregated"),), engine, engine,
                          AdmissionSettings(kv_output_reserve_tokens=0))  # fmt: skip
 
 

@@ -1,0 +1,229 @@
+"""The request-path functions the services and the simulator share: each rule with exact
+numbers, then the simulator's outcome for a scenario that hits it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.request import Request
+from pdserve.registry import WorkerInfo, WorkerLoad
+from pdserve.worker_runtime import registry_entry
+from prefill_service.request_path import Shipment, first_token_params
+from router.gateway import excluding
+from router.settings import AdmissionSettings
+from router.workers import WorkerPool
+from sim.clock import VirtualTimeLoop
+from sim.cluster import ClusterConfig
+from sim.scenario import Scenario, simulate
+from sim.worker import SimWorker, WorkerSpec
+from sim.workload import ClosedLoop, LengthMix, SimRequest
+from tests.router import router_harness as harness
+from tests.sim.conftest import LinearCost
+
+# 300 tokens in blocks of 16 are 19 blocks, the last one partial; chunks of 128 compute them
+# in three steps: 128, 128, then 44.
+CHUNKED = EngineConfig(chunk_size=128)
+PROMPT_300 = LengthMix("fixed", prompt_tokens=300, output_tokens=(2, 2))
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SendLog(LinearCost):
+    """LinearCost that remembers the tokens of every KV send, in order."""
+
+    sent_tokens: list[int] = field(default_factory=list)
+
+    def kv_transfer_s(self, num_tokens: int) -> float:
+        self.sent_tokens.append(num_tokens)
+        return self.transfer_s
+
+
+@pytest.fixture
+def loop() -> Iterator[VirtualTimeLoop]:
+    """Never run: its clock stays at 0 while the tests step engines by hand."""
+    loop = VirtualTimeLoop()
+    yield loop
+    loop.close()
+
+
+def _worker(loop: VirtualTimeLoop, spec: WorkerSpec, config: EngineConfig = CHUNKED) -> SimWorker:
+    """A simulated worker's real engine, stepped by hand."""
+    return SimWorker(spec, config, LinearCost(), loop)
+
+
+def _run_to_end(worker: SimWorker) -> None:
+    while worker.engine.has_unfinished_requests():
+        worker.engine.step()
+
+
+@pytest.mark.parametrize(
+    ("asked", "num_prior", "expected"),
+    [
+        (SamplingParams(max_tokens=50, temperature=0.7, n=4), 0,
+         SamplingParams(max_tokens=1, temperature=0.7, n=1)),
+        # A moved request: its prior output is in the prompt; min_tokens still binds.
+        (SamplingParams(max_tokens=50, min_tokens=3), 5,
+         SamplingParams(max_tokens=6, min_tokens=3)),
+        (SamplingParams(max_tokens=50, min_tokens=3), 0,
+         SamplingParams(max_tokens=1, min_tokens=1)),
+    ],
+)  # fmt: skip
+def test_the_prefill_engine_samples_only_the_first_token(
+    asked: SamplingParams, num_prior: int, expected: SamplingParams
+):
+    assert first_token_params(asked, num_prior) == expected
+
+
+def test_blocks_leave_as_they_become_final_and_stay_held_until_released(loop: VirtualTimeLoop):
+    """Full blocks after each chunk (8, then 8), the partial last one with the last chunk;
+    every block sent is held past the request's end until the sender releases it."""
+    worker = _worker(loop, WorkerSpec("p0", "prefill"))
+    engine = worker.engine
+    shipment = Shipment(num_skipped_blocks=0)
+    taken: list[slice] = []
+    held: list[int] = []
+
+    def ship(request: Request) -> None:
+        final = shipment.take_final_blocks(request, engine.kv)
+        if final is not None:
+            taken.append(final)
+            held.extend(request.block_ids[final])
+
+    engine.on_computed = ship
+    engine.add_request("r", list(range(100, 400)), first_token_params(GREEDY, 0))
+    _run_to_end(worker)
+    assert taken == [slice(0, 8), slice(8, 16), slice(16, 19)]
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 19
+    engine.kv.release(held)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_blocks_the_decode_worker_holds_are_never_sent(loop: VirtualTimeLoop):
+    """A decode worker that has the prompt cached holds its first 18 whole blocks (the last
+    token is always recomputed); the prefill worker sends only the 19th."""
+    decode = _worker(loop, WorkerSpec("d0", "decode"), EngineConfig())
+    prompt = list(range(100, 400))
+    decode.engine.add_request("earlier", prompt, GREEDY)
+    _run_to_end(decode)
+    reserved = decode.engine.reserve_for_remote_prefill("r", prompt, GREEDY)
+    assert reserved.num_cached_tokens == 288
+    assert decode.engine.kv.first_remote_block(reserved) == 18
+
+    prefill = _worker(loop, WorkerSpec("p0", "prefill"))
+    shipment = Shipment(num_skipped_blocks=18)
+    taken: list[slice | None] = []
+    prefill.engine.on_computed = lambda r: taken.append(
+        shipment.take_final_blocks(r, prefill.engine.kv)
+    )
+    prefill.engine.add_request("r", prompt, first_token_params(GREEDY, 0))
+    _run_to_end(prefill)
+    assert taken == [None, None, slice(18, 19)]
+
+
+def test_the_simulated_prefill_ships_by_the_same_rule():
+    """Two identical 300-token prompts, one after the other: the first goes out as the rule
+    above takes it (8, 8, then 3 blocks), the second only as its 19th block, the decode
+    worker holding the rest. The prefill worker runs its three chunks and one more step for
+    the second prompt's 12 uncached tokens, and never a decode step."""
+    log = SendLog()
+    config = ClusterConfig(
+        (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode")), CHUNKED, EngineConfig()
+    )
+    scenario = Scenario("ship", config, PROMPT_300, ClosedLoop(1, 2), shared_prefix_tokens=300)
+    result = simulate(scenario, log)
+    assert [r.status for r in result.records] == [200, 200]
+    assert log.sent_tokens == [128, 128, 48, 16]
+    assert result.workers["p0"].num_steps == 4
+    assert [r.num_output_tokens for r in result.records] == [2, 2]
+
+
+def test_a_registry_entry_carries_the_engine_limits_and_its_stats_snapshot(
+    loop: VirtualTimeLoop,
+):
+    worker = _worker(loop, WorkerSpec("p0", "prefill"))
+    engine = worker.engine
+    engine.add_request("r", list(range(100, 400)), GREEDY)
+    stats = engine.stats()
+    engine.step()  # the live engine moves on; the entry shows the snapshot
+    entry = registry_entry(
+        engine, stats, role="prefill", worker_id="p0", address="10.0.0.1:50061",
+        metrics_url="http://10.0.0.1:9100/metrics", kv_backend="tcp", peer_fetch=True,
+    )  # fmt: skip
+    num_blocks = CHUNKED.num_blocks
+    assert entry == WorkerInfo(
+        role="prefill", worker_id="p0", address="10.0.0.1:50061",
+        metrics_url="http://10.0.0.1:9100/metrics", kv_backend="tcp",
+        max_model_len=engine.max_model_len, chunk_size=128, block_size=16,
+        load=WorkerLoad(queued_tokens=300, running_requests=0, waiting_requests=1,
+                        free_blocks=num_blocks, total_blocks=num_blocks),
+        peer_fetch=True,
+    )  # fmt: skip
+    # What a simulated worker publishes is that entry, stamped with the virtual time.
+    worker.stats = stats
+    assert worker.info() == replace(
+        entry, address="sim://p0", metrics_url="", kv_backend="sim", peer_fetch=False,
+        updated_at=0.0,
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Alternating:
+    """Short and medium prompts in turn."""
+
+    lengths: tuple[int, ...] = (100, 1000)
+    count: int = 0
+
+    def next(self, client: int = 0) -> SimRequest:
+        n = self.lengths[self.count % len(self.lengths)]
+        self.count += 1
+        return SimRequest(f"r{self.count:03d}", list(range(100, 100 + n)), 2, client)
+
+
+def test_a_mixed_cluster_is_split_by_the_routers_own_pool_rule(cost: LinearCost):
+    """Aggregated workers register as such, so the router's rule picks the pool: short
+    prompts whole to the aggregated worker, medium ones to the prefill + decode pair."""
+    specs = (WorkerSpec("a0", "aggregated"), WorkerSpec("p0", "prefill"),
+             WorkerSpec("d0", "decode"))  # fmt: skip
+    config = ClusterConfig(specs, EngineConfig(), EngineConfig(), AdmissionSettings())
+    scenario = Scenario("mixed", config, PROMPT_300, ClosedLoop(1, 4))
+    records = simulate(scenario, cost, source=Alternating()).records  # type: ignore[arg-type]
+    assert [(r.num_prompt_tokens, r.prefill_worker, r.decode_worker) for r in records] == [
+        (100, "a0", "a0"), (1000, "p0", "d0"), (100, "a0", "a0"), (1000, "p0", "d0"),
+    ]  # fmt: skip
+    assert [r.status for r in records] == [200] * 4
+
+
+def test_a_request_a_full_decode_worker_refuses_tries_each_other_once(cost: LinearCost):
+    """Decode workers that take one request at a time (max_num_seqs 1), three requests at
+    once: the first two spread over d0 and d1, the third is refused by d0, then by d1 (the
+    router's exclusion rule), and only then gets its 429."""
+    specs = (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode"), WorkerSpec("d1", "decode"))
+    config = ClusterConfig(specs, EngineConfig(), EngineConfig(max_num_seqs=1))
+    records = simulate(Scenario("refused", config, PROMPT_300, ClosedLoop(3, 3)), cost).records
+    assert [(r.status, r.reason, r.decode_worker) for r in records] == [
+        (200, "", "d0"), (200, "", "d1"), (429, "decode_kv", "d1"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("excluded", "moving_from", "expected"),
+    [
+        (set(), "d0", {"d0"}),
+        ({"d0"}, "d1", {"d0", "d1"}),  # the aggregated worker is still left
+        ({"d0", "a0"}, "d1", None),
+        (set(), "gone", {"gone"}),  # a worker that left the registry meanwhile
+    ],
+)  # fmt: skip
+def test_a_request_moves_on_while_a_decode_side_worker_is_left(
+    excluded: set[str], moving_from: str, expected: set[str] | None
+):
+    pool = WorkerPool(500.0)
+    pool.update("decode", [harness.worker("decode", "d0"), harness.worker("decode", "d1")])
+    pool.update("aggregated", [harness.worker("aggregated", "a0")])
+    ticket = replace(harness.ticket("r", 100), excluded_decode_ids=frozenset(excluded))
+    left = excluding(ticket, moving_from, pool)
+    assert left == (None if expected is None else frozenset(expected))
