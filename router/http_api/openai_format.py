@@ -34,8 +34,15 @@ def error_json(error: RouterError, status: Status) -> dict[str, Any]:
     return error_body(error.message, status.openai_type, error.param, error.code)
 
 
+# Characters that Python's str.splitlines() ends a line at and JSON leaves unescaped: a client
+# that reads the stream with it (httpx's aiter_lines, and so guidellm) would cut an event in two
+# where a generated token holds one. Written as JSON escapes, they read back the same.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    text = json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+    return f"data: {text}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"
