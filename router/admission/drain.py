@@ -10,12 +10,14 @@ the slower of the two speeds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from router.workers import RoleViews, WorkerView
 
 MIN_SAMPLE_TOKENS = 512  # fewer tokens per sample measure overheads, not the drain
 SMOOTHING = 0.3  # weight of the newest sample
+# Every finite float is an integer number of 2**-1074 (the smallest subnormal): speeds are
+# summed as such integers, exactly.
+EXACT_SHIFT = 1074
 
 
 @dataclass(slots=True)
@@ -80,12 +82,12 @@ class DrainRates:
 @dataclass(slots=True)
 class PoolSpeed:
     """One role's sum of DrainRates.speed over its workers, kept as their views and meters
-    change. Summed exactly (as fractions), so it never drifts: it is the correctly rounded sum
-    of the speeds (math.fsum's), whatever the order of the changes."""
+    change. Summed exactly (in units of 2**-1074), so it never drifts: it is the correctly
+    rounded sum of the speeds (math.fsum's), whatever the order of the changes."""
 
     drain: DrainRates
     reported: dict[str, float] = field(default_factory=dict)  # worker id -> its tokens/s
-    _total: Fraction = Fraction(0)
+    _total: int = 0  # in units of 2**-EXACT_SHIFT
 
     def changed(self, old: WorkerView | None, new: WorkerView | None) -> None:
         if old is not None:
@@ -96,7 +98,11 @@ class PoolSpeed:
             self.count(new.worker_id, 1)
 
     def count(self, worker_id: str, sign: int) -> None:
-        self._total += sign * Fraction(self.drain.speed(worker_id, self.reported[worker_id]))
+        numerator, denominator = self.drain.speed(
+            worker_id, self.reported[worker_id]
+        ).as_integer_ratio()
+        # denominator is 2**k: the speed is numerator * 2**(EXACT_SHIFT - k) units
+        self._total += sign * numerator << (EXACT_SHIFT - denominator.bit_length() + 1)
 
     def total(self) -> float:
-        return float(self._total)
+        return self._total / (1 << EXACT_SHIFT)  # int / int is correctly rounded

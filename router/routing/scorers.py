@@ -20,9 +20,10 @@ class Watermark:
     b: float = 0.4
 
     def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
-        return [
-            self.a * w.queued_tokens / w.tokens_per_s + self.b * w.queued_requests for w in workers
-        ]
+        return [self.cost(w) for w in workers]
+
+    def cost(self, worker: WorkerView) -> float:
+        return self.a * worker.queued_tokens / worker.tokens_per_s + self.b * worker.queued_requests
 
 
 @dataclass(frozen=True, slots=True)
