@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from router_harness import Clock, ticket, with_load, worker
 
+from engine.prefix_hash import prompt_block_hashes
+from pdserve.kv_events import CacheUpdate
 from router.admission.drain import DrainRates
 from router.ledger import Assignment, Ledger, Share
+from router.prefix_index import PrefixIndex
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 from router.workers import WorkerPool
 
 SEEDS = range(6)
+# Three prompts of 10 blocks; the second shares the first's leading 5.
+PROMPTS = [list(range(160)), [*range(80), *range(500, 580)], list(range(1000, 1160))]
+HASHES = [prompt_block_hashes(prompt, 16) for prompt in PROMPTS]
 
 
 @dataclass
@@ -103,6 +109,7 @@ def random_info(rng: random.Random, role: str, worker_id: str, now_s: float):
         role, worker_id, tokens_per_s=rng.choice([0.0, 250.0, 1000.0, 1234.5]),
         max_model_len=rng.choice([2048, 8192, 8192]), updated_at=now_s - rng.random(),
     )  # fmt: skip
+    info = replace(info, peer_fetch=rng.random() < 0.3)
     total = rng.choice([0, 512, 1024])
     return with_load(
         info, queued_tokens=rng.randrange(0, 3000), waiting_requests=rng.randrange(0, 4),
@@ -118,8 +125,9 @@ def test_kept_views_totals_and_choices_equal_ones_computed_from_scratch(seed):
     ledgers = {"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)}
     pool = WorkerPool(500.0, ledgers=ledgers)
     drain = DrainRates()
+    prefixes = PrefixIndex()
     policies = build_policies(
-        RoutingSettings("watermark"), AdmissionSettings(prefill_token_budget=2048)
+        RoutingSettings("watermark"), AdmissionSettings(prefill_token_budget=2048), prefixes
     )
     ids = {"prefill": ["p0", "p1", "p2", "p3"], "decode": ["d0", "d1"], "aggregated": ["a0", "a1"]}
     infos = {role: {} for role in ids}
@@ -129,7 +137,11 @@ def test_kept_views_totals_and_choices_equal_ones_computed_from_scratch(seed):
         role = rng.choice(list(ids))
         worker_id = rng.choice(ids[role])
         action = rng.random()
-        if action < 0.3:  # a heartbeat, a worker joining, or one leaving
+        if action < 0.1:  # what the worker's prefix cache holds: a snapshot or a delta
+            stored = rng.choice(HASHES)[: rng.randrange(0, 11)]
+            evicted = rng.choice(HASHES)[rng.randrange(0, 11) :]
+            prefixes.apply(worker_id, f"{step}-0", CacheUpdate(rng.random() < 0.3, stored, evicted))
+        elif action < 0.3:  # a heartbeat, a worker joining, or one leaving
             if rng.random() < 0.15:
                 infos[role].pop(worker_id, None)
             else:
@@ -149,7 +161,15 @@ def test_kept_views_totals_and_choices_equal_ones_computed_from_scratch(seed):
         fresh = WorkerPool(500.0, ledgers=ledgers)
         for r in ids:
             fresh.update(r, list(infos[r].values()))
-        probe = ticket(f"r{step}", rng.choice([16, 700, 1500, 2500, 5000]))
+        hashes = rng.choice(HASHES)
+        probe = replace(
+            ticket(f"r{step}", rng.choice([16, 160, 700, 1500, 2500, 5000])), block_hashes=hashes,
+            held_prefix_tokens=rng.choice([0, 0, 80]),
+        )  # fmt: skip
+        every_id = {w for r in ids for w in ids[r]}
+        assert prefixes.holders(probe) == {
+            w for w in every_id if hashes[0] in prefixes.cached_hashes(w)
+        }
         for r, policy in (("prefill", policies.prefill), ("decode", policies.decode),
                           ("aggregated", policies.aggregated)):  # fmt: skip
             kept, scratch = pool.views(r), fresh.views(r)
