@@ -89,6 +89,8 @@ class Admission:
         # observed / modelled TTFT per pool kind, learned from the predictions near the objective
         slo_s = settings.ttft_slo_s
         self.ttft_corrections = TTFTCorrections(1.0 if slo_s is None else 0.5 * slo_s)
+        # the gauges set after every dispatch, looked up once (labels() is not cheap)
+        self._depth_gauges = {b: metrics.QUEUE_DEPTH.labels(b) for b in LENGTH_BUCKETS}
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises OverloadedError or UnavailableError instead of
@@ -335,5 +337,5 @@ class Admission:
         return OverloadedError(reason, message, retry_after_s)
 
     def _observe_depth(self) -> None:
-        for bucket in LENGTH_BUCKETS:
-            metrics.QUEUE_DEPTH.labels(bucket).set(self.queue.depth(bucket))
+        for bucket, gauge in self._depth_gauges.items():
+            gauge.set(self.queue.depth(bucket))

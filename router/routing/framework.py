@@ -99,8 +99,7 @@ class Policy:
         keep it), and the workers the prefix scorers credit, which alone can undercut it."""
         if not self._ranked or not isinstance(workers, RoleViews):
             return None
-        budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
-        cheapest = workers.index(self, lambda: Ranking(self._own_cost, budget)).cheapest(ticket)
+        cheapest = workers.index(self, self._new_ranking).cheapest(ticket)
         if cheapest is None:
             return []
         if not self._keeps(cheapest, ticket):
@@ -114,6 +113,10 @@ class Policy:
         credited.discard(cheapest.worker_id)
         views = (workers.get(worker_id) for worker_id in credited)
         return [cheapest, *(v for v in views if v is not None and self._keeps(v, ticket))]
+
+    def _new_ranking(self) -> Ranking:
+        budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
+        return Ranking(self._own_cost, budget)
 
     def _own_cost(self, worker: WorkerView) -> float:
         """The worker's cost with no prefix credited: summed as choose() sums a candidate's
