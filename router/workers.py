@@ -74,6 +74,10 @@ class RoleViews(Sequence[WorkerView]):
     def largest_total_blocks(self) -> int:
         return max(self._num_by_total_blocks, default=0)
 
+    def one_kv_size(self) -> bool:
+        """Every worker has the same number of KV blocks."""
+        return len(self._num_by_total_blocks) == 1
+
     def all_report_capacity(self) -> bool:
         """Every worker has reported its KV blocks (one with 0 has not yet)."""
         return not any(size <= 0 for size in self._num_by_total_blocks)

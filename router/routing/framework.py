@@ -3,13 +3,16 @@ give each survivor a cost (lower is better), and a picker chooses among them."""
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from router.routing.filters import PrefillBudget
 from router.routing.pickers import LowestCost
-from router.routing.ranking import Ranking
+from router.routing.ranking import Key, Ranking
+from router.routing.scorers import KVUsage
 from router.ticket import Ticket
 from router.workers import RoleViews, WorkerView
 
@@ -44,6 +47,10 @@ class PrefixScorer(Protocol):
         ...
 
 
+# Workers a walk (Policy._walked_candidates) looks at before it scores every candidate instead.
+MAX_WALK = 64
+
+
 class Picker(Protocol):
     def pick(
         self, workers: Sequence[WorkerView], costs: Sequence[float], ticket: Ticket
@@ -56,12 +63,15 @@ class Policy:
     scorers: tuple[tuple[float, Scorer], ...]  # (weight, scorer)
     picker: Picker
     # Its choice can be read from a ranking (ranking.py): it picks the cheapest, and every cost
-    # is the worker's own or a prefix scorer's. Worked out once: protocol isinstance is slow.
+    # is the worker's own, a prefix scorer's or KV use. Worked out once: protocol isinstance is
+    # slow.
     _ranked: bool = field(init=False, repr=False, compare=False)
     _own_scorers: tuple[tuple[float, OwnCostScorer], ...] = field(
         init=False, repr=False, compare=False
     )
     _prefix_scorers: tuple[PrefixScorer, ...] = field(init=False, repr=False, compare=False)
+    _weighs_kv_use: bool = field(init=False, repr=False, compare=False)
+    _uncredited: tuple[tuple[float, Scorer], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         own = tuple((w, s) for w, s in self.scorers if isinstance(s, OwnCostScorer))
@@ -70,10 +80,15 @@ class Policy:
             for _, s in self.scorers
             if isinstance(s, PrefixScorer) and not isinstance(s, OwnCostScorer)
         )
-        ranked = isinstance(self.picker, LowestCost) and len(own) + len(prefix) == len(self.scorers)
+        kv_use = [s for _, s in self.scorers if isinstance(s, KVUsage)]
+        kinds = len(own) + len(prefix) + len(kv_use)
+        ranked = isinstance(self.picker, LowestCost) and kinds == len(self.scorers)
         object.__setattr__(self, "_ranked", ranked)
         object.__setattr__(self, "_own_scorers", own)
         object.__setattr__(self, "_prefix_scorers", prefix)
+        object.__setattr__(self, "_weighs_kv_use", bool(kv_use))
+        uncredited = tuple((w, s) for w, s in self.scorers if not any(s is p for p in prefix))
+        object.__setattr__(self, "_uncredited", uncredited)
 
     def choose(self, workers: Sequence[WorkerView], ticket: Ticket) -> WorkerView | None:
         """The chosen worker, or None when no worker can take the request now."""
@@ -99,11 +114,16 @@ class Policy:
         keep it), and the workers the prefix scorers credit, which alone can undercut it."""
         if not self._ranked or not isinstance(workers, RoleViews):
             return None
-        cheapest = workers.index(self, self._new_ranking).cheapest(ticket)
+        if self._weighs_kv_use:
+            cheapest = self._walked_cheapest(workers, ticket)
+            if cheapest is False:
+                return None
+        else:
+            cheapest = workers.index(self, self._new_ranking).cheapest(ticket)
+            if cheapest is not None and not self._keeps(cheapest, ticket):
+                return None
         if cheapest is None:
             return []
-        if not self._keeps(cheapest, ticket):
-            return None
         credited: set[str] = set()
         for scorer in self._prefix_scorers:
             ids = scorer.credited_ids(ticket)
@@ -114,9 +134,62 @@ class Policy:
         views = (workers.get(worker_id) for worker_id in credited)
         return [cheapest, *(v for v in views if v is not None and self._keeps(v, ticket))]
 
+    def _walked_cheapest(self, workers: RoleViews, ticket: Ticket) -> WorkerView | None | bool:
+        """The cheapest candidate without prefix credit, for a policy that also weighs KV use,
+        found by walking the workers in order of own cost (the most free blocks first among
+        equals) until the next one's own cost is over the best found: KV use only adds to it
+        (from 0). Among workers of one KV size, one with the same own cost and fewer free
+        blocks costs no less, so once one costs more than the best, the rest of its own cost
+        are skipped, and once one is the best, the rest with its free blocks (higher ids).
+        None: no candidate; False: not found within MAX_WALK workers (or the workers' KV sizes
+        differ), score them all."""
+        if not workers.one_kv_size():
+            return False
+        ranking = workers.index(self, self._new_ranking)
+        keys = ranking.ordered()
+        best: tuple[float, str] | None = None
+        i = 0
+        for _ in range(MAX_WALK):
+            if i == len(keys):
+                break
+            own, fewer_free, worker_id = keys[i]
+            if best is not None and own > best[0]:
+                break
+            view = ranking.view(worker_id)
+            if not self._keeps(view, ticket):
+                i += 1
+                continue
+            cost = (self._uncredited_cost(view, ticket), worker_id)
+            if best is None or cost < best:
+                best = cost
+                i = bisect_right(keys, (own, fewer_free + 0.5))  # past its equals' keys
+            elif cost[0] > best[0]:
+                i = bisect_right(keys, (own, math.inf))  # past this own cost
+            else:
+                i += 1
+        else:
+            return False
+        return None if best is None else ranking.view(best[1])
+
     def _new_ranking(self) -> Ranking:
+        if self._weighs_kv_use:  # walked: every worker in one order, the budget a filter
+            return Ranking(self._walk_key, None)
         budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
-        return Ranking(self._own_cost, budget)
+        return Ranking(self._own_key, budget)
+
+    def _own_key(self, worker: WorkerView) -> Key:
+        return (self._own_cost(worker), worker.worker_id)
+
+    def _walk_key(self, worker: WorkerView) -> Key:
+        return (self._own_cost(worker), -worker.free_blocks, worker.worker_id)
+
+    def _uncredited_cost(self, worker: WorkerView, ticket: Ticket) -> float:
+        """The worker's cost as choose() sums it, less any prefix credit (a prefix scorer's 0
+        left out is the same float)."""
+        cost = 0.0
+        for weight, scorer in self._uncredited:
+            cost += weight * scorer.costs([worker], ticket)[0]
+        return cost
 
     def _own_cost(self, worker: WorkerView) -> float:
         """The worker's cost with no prefix credited: summed as choose() sums a candidate's

@@ -1,6 +1,7 @@
 """Candidates kept in cost order, for a policy that picks the cheapest worker by costs that
 each worker's own view decides: its choice is found in O(log budget) whatever the number of
-workers, not by scoring every one.
+workers, not by scoring every one. A ranking without a budget keeps every key in one sorted
+list, for a policy to walk (Policy._walked_candidates).
 
 Under a prefill token budget the cheapest worker within it is what matters, so workers are
 kept by their queued tokens (0..budget; one over it never passes) in a min segment tree whose
@@ -13,17 +14,20 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Callable
+from typing import Any
 
 from router.routing.filters import PrefillBudget
 from router.ticket import Ticket
 from router.workers import WorkerView
 
-Key = tuple[float, str]  # (cost, worker id): LowestCost's order, ties to the lower id
+# (cost, ..., worker id): LowestCost's order, ties to the lower id; the policy says what lies
+# between (Policy._walk_key: the free blocks).
+Key = tuple[Any, ...]
 
 
 class Ranking:
-    def __init__(self, cost: Callable[[WorkerView], float], budget: PrefillBudget | None) -> None:
-        self._cost = cost
+    def __init__(self, key: Callable[[WorkerView], Key], budget: PrefillBudget | None) -> None:
+        self._key = key
         self._budget = budget
         self._max_queued = budget.budget_tokens if budget is not None else 0
         self._num_leaves = 1
@@ -47,7 +51,7 @@ class Ranking:
             if leaf <= self._max_queued:
                 if leaf >= self._num_leaves:
                     self._grow(leaf)
-                key = (self._cost(new), new.worker_id)
+                key = self._key(new)
                 insort(self._leaves.setdefault(leaf, []), key)
                 self._placed[new.worker_id] = (leaf, key)
                 self._update(leaf)
@@ -56,7 +60,15 @@ class Ranking:
         """The cheapest worker within the budget (the other filters unchecked)."""
         last = 0 if self._budget is None else self._budget.max_queued_tokens(ticket)
         best = self._cheapest_up_to(min(last, self._num_leaves - 1))
-        return None if best is None else self._views[best[1]]
+        return None if best is None else self._views[best[-1]]
+
+    def ordered(self) -> list[Key]:
+        """Every worker's key, in order (without a budget, the one leaf holds them all)."""
+        assert self._budget is None
+        return self._leaves.get(0, [])
+
+    def view(self, worker_id: str) -> WorkerView:
+        return self._views[worker_id]
 
     def _grow(self, leaf: int) -> None:
         self._num_leaves = 1 << leaf.bit_length()

@@ -194,3 +194,39 @@ def test_a_ranked_choice_that_another_filter_refuses_is_made_by_scanning():
     long_prompt = ticket("r", 1500)  # over a's context; the budget leaves b room for it
     assert policies.prefill.choose(pool.views("prefill"), ticket("s", 100)).worker_id == "a"
     assert policies.prefill.choose(pool.views("prefill"), long_prompt).worker_id == "b"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_walked_aggregated_choice_equals_scoring_every_worker(seed):
+    """Many aggregated workers of one KV size, most of them idle or alike (ties in own cost and
+    in free blocks), the prefill budget and KV room as filters, and prefix holders."""
+    rng = random.Random(seed)
+    prefixes = PrefixIndex()
+    policies = build_policies(
+        RoutingSettings("watermark"), AdmissionSettings(prefill_token_budget=2048), prefixes
+    )
+    pool = WorkerPool(500.0)
+    ids = [f"a{i:02d}" for i in range(40)]
+    infos = {}
+    for step in range(300):
+        for worker_id in rng.sample(ids, 5):
+            # own costs 0 (idle) or within the KV term's 0.1 of each other (one waiting request,
+            # a few tokens), so KV use reorders them; some over the budget
+            waiting = rng.choice([0] + [1] * 12 + [2])
+            queued = waiting * rng.choice([1, 20, 50, 80, 3000])
+            info = worker("aggregated", worker_id, tokens_per_s=rng.choice([500.0, 1000.0]))
+            infos[worker_id] = with_load(
+                info, queued_tokens=queued, waiting_requests=waiting, total_blocks=1024,
+                free_blocks=rng.choice([1024, 1024, 1000, 700, 512, 300, 10]),
+            )  # fmt: skip
+        pool.update("aggregated", list(infos.values()))
+        if rng.random() < 0.2:
+            prefixes.apply(rng.choice(ids), f"{step}-0", CacheUpdate(True, HASHES[0][:4]))
+        probe = replace(
+            ticket(f"r{step}", rng.choice([16, 300, 1500, 2500])),
+            block_hashes=rng.choice(HASHES),
+        )  # fmt: skip
+        views = pool.views("aggregated")
+        assert policies.aggregated.choose(views, probe) == policies.aggregated.choose(
+            list(views), probe
+        )
