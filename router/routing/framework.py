@@ -3,7 +3,6 @@ give each survivor a cost (lower is better), and a picker chooses among them."""
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,8 +46,12 @@ class PrefixScorer(Protocol):
         ...
 
 
-# Workers a walk (Policy._walked_candidates) looks at before it scores every candidate instead.
+# Workers a walk (Policy._walked_cheapest) looks at before it scores every candidate instead.
 MAX_WALK = 64
+# A walk's keys leave out KV use's request-dependent part, a shift it adds back to bound the
+# costs ahead; both are float sums whose rounding is a few ulps (~1e-16 of the values), so a
+# margin of 1e-9 of them keeps the bound below every cost ahead.
+WALK_MARGIN = 1e-9
 
 
 class Picker(Protocol):
@@ -70,7 +73,7 @@ class Policy:
         init=False, repr=False, compare=False
     )
     _prefix_scorers: tuple[PrefixScorer, ...] = field(init=False, repr=False, compare=False)
-    _weighs_kv_use: bool = field(init=False, repr=False, compare=False)
+    _kv_use: tuple[tuple[float, KVUsage], ...] = field(init=False, repr=False, compare=False)
     _uncredited: tuple[tuple[float, Scorer], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,13 +83,13 @@ class Policy:
             for _, s in self.scorers
             if isinstance(s, PrefixScorer) and not isinstance(s, OwnCostScorer)
         )
-        kv_use = [s for _, s in self.scorers if isinstance(s, KVUsage)]
+        kv_use = tuple((w, s) for w, s in self.scorers if isinstance(s, KVUsage) and w > 0)
         kinds = len(own) + len(prefix) + len(kv_use)
         ranked = isinstance(self.picker, LowestCost) and kinds == len(self.scorers)
         object.__setattr__(self, "_ranked", ranked)
         object.__setattr__(self, "_own_scorers", own)
         object.__setattr__(self, "_prefix_scorers", prefix)
-        object.__setattr__(self, "_weighs_kv_use", bool(kv_use))
+        object.__setattr__(self, "_kv_use", kv_use)
         uncredited = tuple((w, s) for w, s in self.scorers if not any(s is p for p in prefix))
         object.__setattr__(self, "_uncredited", uncredited)
 
@@ -114,7 +117,7 @@ class Policy:
         keep it), and the workers the prefix scorers credit, which alone can undercut it."""
         if not self._ranked or not isinstance(workers, RoleViews):
             return None
-        if self._weighs_kv_use:
+        if self._kv_use:
             cheapest = self._walked_cheapest(workers, ticket)
             if cheapest is False:
                 return None
@@ -135,16 +138,17 @@ class Policy:
         return [cheapest, *(v for v in views if v is not None and self._keeps(v, ticket))]
 
     def _walked_cheapest(self, workers: RoleViews, ticket: Ticket) -> WorkerView | None | bool:
-        """The cheapest candidate without prefix credit, for a policy that also weighs KV use,
-        found by walking the workers in order of own cost (the most free blocks first among
-        equals) until the next one's own cost is over the best found: KV use only adds to it
-        (from 0). Among workers of one KV size, one with the same own cost and fewer free
-        blocks costs no less, so once one costs more than the best, the rest of its own cost
-        are skipped, and once one is the best, the rest with its free blocks (higher ids).
-        None: no candidate; False: not found within MAX_WALK workers (or the workers' KV sizes
-        differ), score them all."""
+        """The cheapest candidate without prefix credit, for a policy that also weighs KV use
+        (1 - (free - request's blocks) / KV size), among workers of one KV size. They are kept
+        in order of the cost less KV use's request-dependent part, which is the same shift for
+        all of them, so the walk stops once the next key plus the shift is over the best cost
+        found; once one is the best, the rest with its own cost and free blocks (higher ids)
+        are skipped. None: no candidate; False: not found within MAX_WALK workers (or the
+        workers' KV sizes differ), score them all."""
         if not workers.one_kv_size():
             return False
+        num_blocks = max(1, workers.largest_total_blocks())
+        shift = sum(w * (1.0 + ticket.num_kv_blocks / num_blocks) for w, _ in self._kv_use)
         ranking = workers.index(self, self._new_ranking)
         keys = ranking.ordered()
         best: tuple[float, str] | None = None
@@ -152,8 +156,9 @@ class Policy:
         for _ in range(MAX_WALK):
             if i == len(keys):
                 break
-            own, fewer_free, worker_id = keys[i]
-            if best is not None and own > best[0]:
+            key, own, fewer_free, worker_id = keys[i]
+            bound = key + shift
+            if best is not None and bound - WALK_MARGIN * (1.0 + abs(bound)) > best[0]:
                 break
             view = ranking.view(worker_id)
             if not self._keeps(view, ticket):
@@ -162,9 +167,7 @@ class Policy:
             cost = (self._uncredited_cost(view, ticket), worker_id)
             if best is None or cost < best:
                 best = cost
-                i = bisect_right(keys, (own, fewer_free + 0.5))  # past its equals' keys
-            elif cost[0] > best[0]:
-                i = bisect_right(keys, (own, math.inf))  # past this own cost
+                i = bisect_right(keys, (key, own, fewer_free + 0.5))  # past its equals' keys
             else:
                 i += 1
         else:
@@ -172,7 +175,7 @@ class Policy:
         return None if best is None else ranking.view(best[1])
 
     def _new_ranking(self) -> Ranking:
-        if self._weighs_kv_use:  # walked: every worker in one order, the budget a filter
+        if self._kv_use:  # walked: every worker in one order, the budget a filter
             return Ranking(self._walk_key, None)
         budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
         return Ranking(self._own_key, budget)
@@ -181,7 +184,12 @@ class Policy:
         return (self._own_cost(worker), worker.worker_id)
 
     def _walk_key(self, worker: WorkerView) -> Key:
-        return (self._own_cost(worker), -worker.free_blocks, worker.worker_id)
+        """The cost less KV use's request-dependent part: own cost - w * free / KV size."""
+        own = self._own_cost(worker)
+        key = own
+        for weight, _ in self._kv_use:
+            key -= weight * worker.free_blocks / max(1, worker.total_blocks)
+        return (key, own, -worker.free_blocks, worker.worker_id)
 
     def _uncredited_cost(self, worker: WorkerView, ticket: Ticket) -> float:
         """The worker's cost as choose() sums it, less any prefix credit (a prefix scorer's 0
