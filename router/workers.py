@@ -62,7 +62,8 @@ class RoleViews(Sequence[WorkerView]):
     def __init__(self) -> None:
         self._views: dict[str, WorkerView] = {}
         self._ordered: tuple[WorkerView, ...] | None = ()  # None: rebuilt when next read
-        self._indexes: dict[int, tuple[object, ViewIndex]] = {}  # id(owner) -> (owner, index)
+        # (id(owner), name) -> (owner, index)
+        self._indexes: dict[tuple[int, str], tuple[object, ViewIndex]] = {}
         self.queued_tokens = 0
         self.free_blocks = 0
         self.total_blocks = 0
@@ -82,14 +83,15 @@ class RoleViews(Sequence[WorkerView]):
         """Every worker has reported its KV blocks (one with 0 has not yet)."""
         return not any(size <= 0 for size in self._num_by_total_blocks)
 
-    def index(self, owner: object, build: Callable[[], Index]) -> Index:
-        """owner's index of these views, built (and told of every view) on first use."""
-        kept = self._indexes.get(id(owner))
+    def index(self, owner: object, build: Callable[[], Index], name: str = "") -> Index:
+        """owner's index of these views (one of its several, by name), built (and told of
+        every view) on first use."""
+        kept = self._indexes.get((id(owner), name))
         if kept is None:
             index = build()
             for view in self._views.values():
                 index.changed(None, view)
-            kept = self._indexes[id(owner)] = (owner, index)  # the owner is kept alive
+            kept = self._indexes[id(owner), name] = (owner, index)  # the owner is kept alive
         return kept[1]  # type: ignore[return-value]
 
     def put(self, worker_id: str, view: WorkerView | None) -> None:

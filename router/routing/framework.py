@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from router.routing.filters import PrefillBudget
+from router.routing.filters import KVFits, PrefillBudget
 from router.routing.pickers import LowestCost
 from router.routing.ranking import Key, Ranking
 from router.routing.scorers import KVUsage
@@ -147,15 +147,18 @@ class Policy:
         workers' KV sizes differ), score them all."""
         if not workers.one_kv_size():
             return False
+        if not self._may_fit(workers, ticket):
+            return None
         num_blocks = max(1, workers.largest_total_blocks())
         shift = sum(w * (1.0 + ticket.num_kv_blocks / num_blocks) for w, _ in self._kv_use)
         ranking = workers.index(self, self._new_ranking)
         keys = ranking.ordered()
         best: tuple[float, str] | None = None
-        i = 0
-        for _ in range(MAX_WALK):
-            if i == len(keys):
-                break
+        i = num_read = 0
+        while i < len(keys):
+            if num_read == MAX_WALK:
+                return False
+            num_read += 1
             key, own, fewer_free, worker_id = keys[i]
             bound = key + shift
             if best is not None and bound - WALK_MARGIN * (1.0 + abs(bound)) > best[0]:
@@ -170,9 +173,19 @@ class Policy:
                 i = bisect_right(keys, (key, own, fewer_free + 0.5))  # past its equals' keys
             else:
                 i += 1
-        else:
-            return False
         return None if best is None else ranking.view(best[1])
+
+    def _may_fit(self, workers: RoleViews, ticket: Ticket) -> bool:
+        """Some worker is within the prefill budget and has the request's KV room: the one
+        with the most free blocks within the budget is read from a ranking of them by free
+        blocks, so a full cluster's placement attempt does not read every worker to fail."""
+        budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
+        by_room = workers.index(self, lambda: Ranking(_most_free_first, budget), "by_room")
+        roomiest = by_room.cheapest(ticket)
+        if roomiest is None:
+            return False
+        needs_room = any(isinstance(f, KVFits) for f in self.filters)
+        return not needs_room or ticket.num_kv_blocks <= roomiest.free_blocks
 
     def _new_ranking(self) -> Ranking:
         if self._kv_use:  # walked: every worker in one order, the budget a filter
@@ -206,3 +219,7 @@ class Policy:
         for weight, scorer in self._own_scorers:
             cost += weight * scorer.cost(worker)
         return cost
+
+
+def _most_free_first(worker: WorkerView) -> Key:
+    return (-worker.free_blocks, worker.worker_id)
