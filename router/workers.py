@@ -196,7 +196,12 @@ class WorkerPool:
     def infos(self, role: Role) -> list[WorkerInfo]:
         return [view.info for view in self._views[role]]
 
-    def views(self, role: Role) -> RoleViews:
+    def views(self, role: Role) -> tuple[WorkerView, ...]:
+        """The role's views in worker-id order, as they are now."""
+        return tuple(self._views[role])
+
+    def role_views(self, role: Role) -> RoleViews:
+        """The role's kept views, with their totals and indexes: what placement reads."""
         return self._views[role]
 
     def assign(self, side: Role, worker_id: str, amount: int, count: int = 1) -> Assignment:

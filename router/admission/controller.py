@@ -149,7 +149,9 @@ class Admission:
         return "aggregated" if aggregated else "split"
 
     def _prefill_side(self, ticket: Ticket) -> RoleViews:
-        return self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "prefill")
+        return self.pool.role_views(
+            "aggregated" if self.kind(ticket) == "aggregated" else "prefill"
+        )
 
     def estimated_wait_s(self, ticket: Ticket) -> float:
         """The router queue wait: when the tokens in front of this request (in the workers
@@ -189,10 +191,10 @@ class Admission:
         (Ticket.held_prefix_tokens). Without one, the prefill worker does."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
-            worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
+            worker = self.policies.aggregated.choose(self.pool.role_views("aggregated"), ticket)
             return None if worker is None else (worker, worker, ticket)
         if self.prefixes is None:
-            prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+            prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
             decode = None if prefill is None else self._choose_decode(ticket)
             return None if prefill is None or decode is None else (prefill, decode, ticket)
         decode = self._choose_decode(ticket)
@@ -201,11 +203,11 @@ class Admission:
         if decode.info.peer_fetch:
             held = self.prefixes.overlap_tokens(decode.info, ticket)
             ticket = replace(ticket, held_prefix_tokens=held)
-        prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+        prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
         return None if prefill is None else (prefill, decode, ticket)
 
     def _choose_decode(self, ticket: Ticket) -> WorkerView | None:
-        return self.policies.decode.choose(self.pool.views("decode"), ticket)
+        return self.policies.decode.choose(self.pool.role_views("decode"), ticket)
 
     def _place(self, ticket: Ticket) -> Lease | None:
         chosen = self._choose(ticket)
@@ -265,7 +267,9 @@ class Admission:
                         f"no {role} worker (and no aggregated worker) is registered; retry "
                         "when one is up"
                     )
-        decode = self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "decode")
+        decode = self.pool.role_views(
+            "aggregated" if self.kind(ticket) == "aggregated" else "decode"
+        )
         self._check_capacity(ticket, decode)
         num_free, num_total = decode.free_blocks, decode.total_blocks
         headroom_checked = self.settings.mode != "pass_through"

@@ -172,7 +172,7 @@ def test_kept_views_totals_and_choices_equal_ones_computed_from_scratch(seed):
         }
         for r, policy in (("prefill", policies.prefill), ("decode", policies.decode),
                           ("aggregated", policies.aggregated)):  # fmt: skip
-            kept, scratch = pool.views(r), fresh.views(r)
+            kept, scratch = pool.role_views(r), fresh.views(r)
             assert list(kept) == list(scratch)
             assert kept.queued_tokens == sum(v.queued_tokens for v in scratch)
             assert kept.free_blocks == sum(v.free_blocks for v in scratch)
@@ -192,8 +192,8 @@ def test_a_ranked_choice_that_another_filter_refuses_is_made_by_scanning():
     pool = WorkerPool(500.0)
     pool.update("prefill", [short, busy])
     long_prompt = ticket("r", 1500)  # over a's context; the budget leaves b room for it
-    assert policies.prefill.choose(pool.views("prefill"), ticket("s", 100)).worker_id == "a"
-    assert policies.prefill.choose(pool.views("prefill"), long_prompt).worker_id == "b"
+    assert policies.prefill.choose(pool.role_views("prefill"), ticket("s", 100)).worker_id == "a"
+    assert policies.prefill.choose(pool.role_views("prefill"), long_prompt).worker_id == "b"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -226,7 +226,7 @@ def test_the_walked_aggregated_choice_equals_scoring_every_worker(seed):
             ticket(f"r{step}", rng.choice([16, 300, 1500, 2500])),
             block_hashes=rng.choice(HASHES),
         )  # fmt: skip
-        views = pool.views("aggregated")
+        views = pool.role_views("aggregated")
         assert policies.aggregated.choose(views, probe) == policies.aggregated.choose(
             list(views), probe
         )
