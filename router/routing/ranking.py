@@ -1,7 +1,7 @@
 """Candidates kept in cost order, for a policy that picks the cheapest worker by costs that
 each worker's own view decides: its choice is found in O(log budget) whatever the number of
 workers, not by scoring every one. A ranking without a budget keeps every key in one sorted
-list, for a policy to walk (Policy._walked_candidates).
+list, for a policy to walk (Policy._walked_cheapest).
 
 Under a prefill token budget the cheapest worker within it is what matters, so workers are
 kept by their queued tokens (0..budget; one over it never passes) in a min segment tree whose
@@ -20,8 +20,8 @@ from router.routing.filters import PrefillBudget
 from router.ticket import Ticket
 from router.workers import WorkerView
 
-# (cost, ..., worker id): LowestCost's order, ties to the lower id; the policy says what lies
-# between (Policy._walk_key: the free blocks).
+# What orders the workers, first first, ending with the worker id (ties to the lower id, as
+# LowestCost's): the policy builds it (Policy._own_key, _walk_key, _most_free_first).
 Key = tuple[Any, ...]
 
 
