@@ -14,9 +14,7 @@ HASH_BYTES = 16
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Hash chain over full blocks: a block's hash covers every token before it too."""
-    digest = hashlib.blake2b(parent_hash or b"", digest_size=HASH_BYTES)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return digest.digest()
+    return _chain(parent_hash, np.asarray(token_ids, dtype=np.int64).tobytes())
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
@@ -24,12 +22,20 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     start, end = len(hashes), len(token_ids) // block_size
     if end <= start:
         return
-    # One conversion for all the new blocks: the engine calls this every step.
+    # One conversion for all the new blocks (the engine calls this every step, the router on
+    # every request), each block then a slice of its bytes.
     tokens = np.asarray(token_ids[start * block_size : end * block_size], dtype=np.int64)
+    data, block_bytes = memoryview(tokens.tobytes()), block_size * tokens.itemsize
     parent = hashes[-1] if hashes else None
     for i in range(end - start):
-        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size])
+        parent = _chain(parent, data[i * block_bytes : (i + 1) * block_bytes])
         hashes.append(parent)
+
+
+def _chain(parent_hash: bytes | None, block: bytes | memoryview) -> bytes:
+    digest = hashlib.blake2b(parent_hash or b"", digest_size=HASH_BYTES)
+    digest.update(block)
+    return digest.digest()
 
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> tuple[bytes, ...]:

@@ -20,7 +20,6 @@ from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.prefix_hash import prompt_block_hashes
 from engine.tokenizer import TextTokenizer
 from pdserve import grpc_convert
-from pdserve.registry import ROLES
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.worker.v1 import worker_pb2 as wpb
 from router import metrics
@@ -93,10 +92,9 @@ class Gateway:
 
     def max_model_len(self) -> int:
         """The smallest context among registered workers (every request must fit anywhere)."""
-        lengths = [w.max_model_len for role in ROLES for w in self.pool.infos(role)]
-        if not lengths:
+        if self.pool.max_model_len is None:
             raise UnavailableError("no worker is registered; retry when one is up")
-        return min(lengths)
+        return self.pool.max_model_len
 
     def chat_template(self) -> ChatTemplate:
         try:

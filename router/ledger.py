@@ -5,10 +5,16 @@ u. What the router changed since then is own(now) - own(u), so the best estimate
     reported + own(now) - own(u),
 never less than own(now) (this router's work is there whatever the heartbeat says). Other
 routers' work is what remains of `reported`. Times are wall-clock, as heartbeats carry them.
+
+Both shares are running totals, so a correction costs O(1): own(now) changes with each
+assignment and its end; own(u) is summed once per heartbeat time u and then kept up to date
+as assignments start, end and are dropped. The ledger's clock is taken never to go back, so
+the assignments active now are exactly those not yet ended.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,41 +39,111 @@ class Share:
 
 
 @dataclass(slots=True)
+class _Total:
+    amount: int = 0
+    count: int = 0
+
+    def add(self, assignment: Assignment, sign: int = 1) -> None:
+        self.amount += sign * assignment.amount
+        self.count += sign * assignment.count
+
+    def share(self) -> Share:
+        return Share(self.amount, self.count)
+
+
+@dataclass(slots=True)
+class _WorkerAssignments:
+    """One worker's kept assignments: every active one, and the ended ones a heartbeat may
+    still count."""
+
+    kept: list[Assignment] = field(default_factory=list)
+    now: _Total = field(default_factory=_Total)  # the active ones
+    then_at: float | None = None  # the heartbeat time `then` is summed at
+    then: _Total = field(default_factory=_Total)  # the kept ones active at then_at
+    oldest_end: float = math.inf  # of the kept ended ones: nothing to drop before it
+
+    def counted_then(self, assignment: Assignment) -> bool:
+        return self.then_at is not None and assignment.active_at(self.then_at)
+
+    def start(self, assignment: Assignment) -> None:
+        self.kept.append(assignment)
+        self.now.add(assignment)
+        if self.counted_then(assignment):
+            self.then.add(assignment)
+
+    def end(self, assignment: Assignment, at: float) -> None:
+        was_counted = self.counted_then(assignment)
+        assignment.ended_at = at
+        self.now.add(assignment, -1)
+        if was_counted and not self.counted_then(assignment):
+            self.then.add(assignment, -1)
+        self.oldest_end = min(self.oldest_end, at)
+
+    def drop_ended(self, before: float) -> None:
+        """Forgets the assignments that ended at or before `before`."""
+        if self.oldest_end > before:
+            return
+        kept, self.oldest_end = [], math.inf
+        for a in self.kept:
+            if a.ended_at is not None and a.ended_at <= before:
+                if self.counted_then(a):
+                    self.then.add(a, -1)
+            else:
+                kept.append(a)
+                if a.ended_at is not None:
+                    self.oldest_end = min(self.oldest_end, a.ended_at)
+        self.kept = kept
+
+    def share_at(self, t: float) -> Share:
+        if self.then_at != t:
+            self.then_at, self.then = t, _Total()
+            for a in self.kept:
+                if a.active_at(t):
+                    self.then.add(a)
+        return self.then.share()
+
+
+@dataclass(slots=True)
 class Ledger:
     # An ended assignment matters only to heartbeats sent before it ended; it is dropped once a
     # newer heartbeat is in, or after this long for a worker that stopped sending them.
     retention_s: float = 60.0
     clock: Callable[[], float] = time.time
-    _by_worker: dict[str, list[Assignment]] = field(default_factory=dict)
+    _by_worker: dict[str, _WorkerAssignments] = field(default_factory=dict)
 
     def add(self, worker_id: str, amount: int, count: int = 1) -> Assignment:
         assignment = Assignment(worker_id, amount, self.clock(), count=count)
-        self._by_worker.setdefault(worker_id, []).append(assignment)
+        self._by_worker.setdefault(worker_id, _WorkerAssignments()).start(assignment)
         return assignment
 
     def end(self, assignment: Assignment) -> None:
+        worker = self._by_worker.get(assignment.worker_id)
+        if worker is None:  # ended long ago: dropped with its worker's history
+            return
         if assignment.ended_at is None:
-            assignment.ended_at = self.clock()
-        self._prune(assignment.worker_id, self.clock() - self.retention_s)
+            worker.end(assignment, self.clock())
+        self._drop_ended(assignment.worker_id, self.clock() - self.retention_s)
 
-    def share(self, worker_id: str, at: float | None = None) -> Share:
-        """This router's assignments on the worker that are active now (or were at `at`)."""
-        t = self.clock() if at is None else at
-        active = [a for a in self._by_worker.get(worker_id, ()) if a.active_at(t)]
-        return Share(sum(a.amount for a in active), sum(a.count for a in active))
+    def share(self, worker_id: str) -> Share:
+        """This router's assignments on the worker that are active now."""
+        worker = self._by_worker.get(worker_id)
+        return Share() if worker is None else worker.now.share()
 
     def corrected(self, worker_id: str, reported: Share, reported_at: float) -> Share:
-        self._prune(worker_id, reported_at)
-        now, then = self.share(worker_id), self.share(worker_id, reported_at)
+        self._drop_ended(worker_id, reported_at)
+        worker = self._by_worker.get(worker_id)
+        if worker is None:
+            return Share(max(0, reported.amount), max(0, reported.count))
+        now, then = worker.now, worker.share_at(reported_at)
         return Share(
             max(now.amount, reported.amount + now.amount - then.amount),
             max(now.count, reported.count + now.count - then.count),
         )
 
-    def _prune(self, worker_id: str, ended_before: float) -> None:
-        assignments = self._by_worker.get(worker_id, [])
-        kept = [a for a in assignments if a.ended_at is None or a.ended_at > ended_before]
-        if kept:
-            self._by_worker[worker_id] = kept
-        else:
-            self._by_worker.pop(worker_id, None)
+    def _drop_ended(self, worker_id: str, before: float) -> None:
+        worker = self._by_worker.get(worker_id)
+        if worker is None:
+            return
+        worker.drop_ended(before)
+        if not worker.kept:
+            del self._by_worker[worker_id]

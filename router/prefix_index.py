@@ -41,22 +41,24 @@ class Choice:
 
 @dataclass(slots=True)
 class PrefixIndex:
-    """Per worker, the set of block hashes its cache holds. A ticket's prompt is hashed at the
-    workers' block size (WorkerPool.block_size); a worker registered with another one never
-    matches."""
+    """Per worker, the set of block hashes its cache holds, and per block hash the workers
+    holding it (so the workers a prompt's prefix is cached on are found without asking each
+    one). A ticket's prompt is hashed at the workers' block size (WorkerPool.block_size); a
+    worker registered with another one never matches."""
 
     _cached: dict[str, set[bytes]] = field(default_factory=dict)
+    _holders: dict[bytes, set[str]] = field(default_factory=dict)
     _positions: dict[str, str] = field(default_factory=dict)  # last stream entry id read
     _last_overlap: dict[str, int] = field(default_factory=dict)
     recent: deque[Choice] = field(default_factory=lambda: deque(maxlen=_RECENT_CHOICES))
 
     def apply(self, worker_id: str, entry_id: str, update: CacheUpdate) -> None:
-        if update.is_snapshot:
-            self._cached[worker_id] = set(update.stored)
-        else:
-            cached = self._cached.setdefault(worker_id, set())
-            cached.difference_update(update.evicted)
-            cached.update(update.stored)
+        cached = self._cached.setdefault(worker_id, set())
+        evicted = cached.difference(update.stored) if update.is_snapshot else update.evicted
+        self._forget(worker_id, evicted)
+        for block_hash in update.stored:
+            cached.add(block_hash)
+            self._holders.setdefault(block_hash, set()).add(worker_id)
         self._positions[worker_id] = entry_id
         metrics.KV_EVENTS.labels("stored").inc(len(update.stored))
         metrics.KV_EVENTS.labels("evicted").inc(len(update.evicted))
@@ -65,14 +67,31 @@ class PrefixIndex:
         """Forgets the workers that left the registry (one that returns is read afresh)."""
         for worker_id in set(self._positions) - worker_ids:
             self._positions.pop(worker_id)
-            self._cached.pop(worker_id, None)
+            self._forget(worker_id, self._cached.pop(worker_id, set()))
             self._last_overlap.pop(worker_id, None)
+
+    def _forget(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
+        cached = self._cached.get(worker_id, set())
+        for block_hash in block_hashes:
+            cached.discard(block_hash)
+            holders = self._holders.get(block_hash)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[block_hash]
 
     def position(self, worker_id: str) -> str:
         return self._positions.get(worker_id, "0-0")  # a new worker: its whole stream
 
     def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
         return frozenset(self._cached.get(worker_id, ()))
+
+    def holders(self, ticket: Ticket) -> set[str]:
+        """The workers whose cache holds the prompt's first block: the only ones with an
+        overlap (at any block size)."""
+        if not ticket.block_hashes:
+            return set()
+        return self._holders.get(ticket.block_hashes[0], set())
 
     def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> int:
         """The leading prompt tokens the worker's prefix cache holds."""

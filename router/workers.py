@@ -1,11 +1,19 @@
 """The worker pools as this router sees them: the registry's snapshot, refreshed in the
-background, with each worker's load corrected by the router's own assignments (ledger.py)."""
+background, with each worker's load corrected by the router's own assignments (ledger.py).
+
+Views are kept, not computed per request: a worker's view is rebuilt when its registry entry
+changes or the router assigns it work or releases some, and each role's totals and indexes
+(RoleViews.index) follow the views that changed. A request then costs the same whatever the
+number of workers."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar, overload
 
 from pdserve.registry import ROLES, Registry, Role, WorkerInfo
 from router.ledger import Assignment, Ledger, Share
@@ -38,13 +46,108 @@ class WorkerView:
         return self.info.address
 
 
+class ViewIndex(Protocol):
+    """Something derived from one role's views, told of every view that changes."""
+
+    def changed(self, old: WorkerView | None, new: WorkerView | None) -> None: ...
+
+
+Index = TypeVar("Index", bound=ViewIndex)
+
+
+class RoleViews(Sequence[WorkerView]):
+    """One role's views in worker-id order, with running totals over them and the indexes
+    routing and admission keep on them."""
+
+    def __init__(self) -> None:
+        self._views: dict[str, WorkerView] = {}
+        self._ordered: tuple[WorkerView, ...] | None = ()  # None: rebuilt when next read
+        # (id(owner), name) -> (owner, index)
+        self._indexes: dict[tuple[int, str], tuple[object, ViewIndex]] = {}
+        self.queued_tokens = 0
+        self.free_blocks = 0
+        self.total_blocks = 0
+        self._num_by_total_blocks: Counter[int] = Counter()
+
+    def get(self, worker_id: str) -> WorkerView | None:
+        return self._views.get(worker_id)
+
+    def largest_total_blocks(self) -> int:
+        return max(self._num_by_total_blocks, default=0)
+
+    def one_kv_size(self) -> bool:
+        """Every worker has the same number of KV blocks."""
+        return len(self._num_by_total_blocks) == 1
+
+    def all_report_capacity(self) -> bool:
+        """Every worker has reported its KV blocks (one with 0 has not yet)."""
+        return not any(size <= 0 for size in self._num_by_total_blocks)
+
+    def index(self, owner: object, build: Callable[[], Index], name: str = "") -> Index:
+        """owner's index of these views (one of its several, by name), built (and told of
+        every view) on first use."""
+        kept = self._indexes.get((id(owner), name))
+        if kept is None:
+            index = build()
+            for view in self._views.values():
+                index.changed(None, view)
+            kept = self._indexes[id(owner), name] = (owner, index)  # the owner is kept alive
+        return kept[1]  # type: ignore[return-value]
+
+    def put(self, worker_id: str, view: WorkerView | None) -> None:
+        """Replaces the worker's view (None: the worker left)."""
+        old = self._views.pop(worker_id, None)
+        if view is not None:
+            self._views[worker_id] = view
+        if old is not None:
+            self._count(old, -1)
+        if view is not None:
+            self._count(view, 1)
+        self._ordered = None
+        for _, index in self._indexes.values():
+            index.changed(old, view)
+
+    def _count(self, view: WorkerView, sign: int) -> None:
+        self.queued_tokens += sign * view.queued_tokens
+        self.free_blocks += sign * view.free_blocks
+        self.total_blocks += sign * view.total_blocks
+        counts = self._num_by_total_blocks
+        counts[view.total_blocks] += sign
+        if counts[view.total_blocks] == 0:
+            del counts[view.total_blocks]
+
+    def _in_order(self) -> tuple[WorkerView, ...]:
+        if self._ordered is None:
+            self._ordered = tuple(self._views[k] for k in sorted(self._views))
+        return self._ordered
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __iter__(self) -> Iterator[WorkerView]:
+        return iter(self._in_order())
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerView: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[WorkerView]: ...
+    def __getitem__(self, i: int | slice) -> WorkerView | Sequence[WorkerView]:
+        return self._in_order()[i]
+
+    def __repr__(self) -> str:
+        return f"RoleViews({list(self._in_order())!r})"
+
+
 @dataclass(slots=True)
 class WorkerPool:
     """An aggregated worker is both sides at once: its prompt tokens are held in the prefill
     ledger and its KV blocks in the decode ledger, under its own worker id."""
 
     default_tokens_per_s: float
-    _infos: dict[Role, list[WorkerInfo]] = field(default_factory=lambda: {r: [] for r in ROLES})
+    _infos: dict[Role, dict[str, WorkerInfo]] = field(
+        default_factory=lambda: {r: {} for r in ROLES}
+    )
+    _views: dict[Role, RoleViews] = field(default_factory=lambda: {r: RoleViews() for r in ROLES})
     ledgers: dict[Role, Ledger] = field(
         default_factory=lambda: {"prefill": Ledger(), "decode": Ledger()}
     )
@@ -53,15 +156,28 @@ class WorkerPool:
     # in, and its prompt hashed at): the one most of them registered with, the smaller on a tie.
     # Workers that registered another one get no prefix matches. Set by update(), not per request.
     block_size: int = UNREGISTERED_BLOCK_SIZE
+    # The smallest context among the registered workers (None: none is); set by update().
+    max_model_len: int | None = None
 
     def update(self, role: Role, infos: list[WorkerInfo]) -> None:
-        self._infos[role] = sorted(infos, key=lambda w: w.worker_id)
-        sizes = [w.block_size for side in ("decode", "aggregated") for w in self._infos[side]]
+        current, fresh = self._infos[role], {info.worker_id: info for info in infos}
+        for worker_id in current.keys() - fresh.keys():
+            del current[worker_id]
+            self._views[role].put(worker_id, None)
+        for worker_id, info in fresh.items():
+            if current.get(worker_id) != info:
+                current[worker_id] = info
+                self._rebuild(role, worker_id)
+        sizes = [
+            w.block_size for side in ("decode", "aggregated") for w in self._infos[side].values()
+        ]
         self.block_size = (
             min(set(sizes), key=lambda size: (-sizes.count(size), size))
             if sizes
             else UNREGISTERED_BLOCK_SIZE
         )
+        lengths = [w.max_model_len for side in ROLES for w in self._infos[side].values()]
+        self.max_model_len = min(lengths, default=None)
 
     async def refresh(self, registry: Registry) -> None:
         for role in ROLES:
@@ -69,24 +185,44 @@ class WorkerPool:
 
     def serving(self) -> bool:
         """A whole request can be served: a prefill and a decode worker, or an aggregated one."""
-        infos = self._infos
-        return bool(infos["aggregated"]) or bool(infos["prefill"] and infos["decode"])
+        return self.has("aggregated") or (self.has("prefill") and self.has("decode"))
+
+    def has(self, role: Role) -> bool:
+        return bool(self._infos[role])
 
     def worker_ids(self) -> set[str]:
-        return {info.worker_id for infos in self._infos.values() for info in infos}
+        return {worker_id for infos in self._infos.values() for worker_id in infos}
 
     def infos(self, role: Role) -> list[WorkerInfo]:
-        return list(self._infos[role])
+        return [view.info for view in self._views[role]]
 
-    def views(self, role: Role) -> list[WorkerView]:
-        return [self._view(role, info) for info in self._infos[role]]
+    def views(self, role: Role) -> tuple[WorkerView, ...]:
+        """The role's views in worker-id order, as they are now."""
+        return tuple(self._views[role])
+
+    def role_views(self, role: Role) -> RoleViews:
+        """The role's kept views, with their totals and indexes: what placement reads."""
+        return self._views[role]
 
     def assign(self, side: Role, worker_id: str, amount: int, count: int = 1) -> Assignment:
         """side: "prefill" (prompt tokens) or "decode" (KV blocks, count: sequences)."""
-        return self.ledgers[side].add(worker_id, amount, count)
+        assignment = self.ledgers[side].add(worker_id, amount, count)
+        self._rebuild_side(side, worker_id)
+        return assignment
 
     def release(self, side: Role, assignment: Assignment) -> None:
         self.ledgers[side].end(assignment)
+        self._rebuild_side(side, assignment.worker_id)
+
+    def _rebuild_side(self, side: Role, worker_id: str) -> None:
+        """The views a ledger change touches: the worker's on that side, and an aggregated
+        worker's, which holds both sides."""
+        for role in (side, "aggregated"):
+            if worker_id in self._infos[role]:
+                self._rebuild(role, worker_id)
+
+    def _rebuild(self, role: Role, worker_id: str) -> None:
+        self._views[role].put(worker_id, self._view(role, self._infos[role][worker_id]))
 
     def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
         load = info.load

@@ -60,11 +60,11 @@ def goodput(
 
 @app.command()
 def scale(
-    sizes: Annotated[str, typer.Option(help="Worker counts, comma-separated.")] = "8,16,32,64",
+    sizes: Annotated[str, typer.Option(help="Worker counts, comma-separated.")] = "8,64,256,1024",
     seed: Seed = 0,
     out: Out = "",
 ) -> None:
-    """8 -> 64 workers: the router's measured CPU per request, and admission fairness."""
+    """8 -> 1,024 workers: the router's measured CPU per request, and admission fairness."""
     from sim import scale as study
 
     out_dir = _out_dir(out, "scale")

@@ -1,4 +1,4 @@
-"""`pdserve sim scale`: 8 -> 64 workers at the same load per worker. The router's own CPU cost
+"""`pdserve sim scale`: 8 -> 1,024 workers at the same load per worker. The router's own CPU cost
 per request is measured (time.process_time around the real router calls, not modelled), and
 admission fairness is checked: queue waits per length bucket against their aging delays, and
 Jain's index over the requests' slowdowns."""
@@ -18,7 +18,7 @@ from sim.seed_study import cost_model
 from sim.worker import WorkerSpec
 from sim.workload import LengthMix, OpenLoop
 
-SIZES = (8, 16, 32, 64)
+SIZES = (8, 64, 256, 1024)
 RATE_PER_WORKER = 3.5  # req/s: where the router queue starts to hold requests (8 workers)
 DURATION_S = 20.0
 

@@ -29,7 +29,7 @@ from router.prefix_index import PrefixIndex
 from router.routing import RoutingPolicies
 from router.settings import AdmissionSettings
 from router.ticket import Ticket
-from router.workers import WorkerPool, WorkerView
+from router.workers import RoleViews, WorkerPool, WorkerView
 
 Kind = Literal["aggregated", "split"]  # served whole by one worker, or by a prefill + a decode
 
@@ -89,6 +89,8 @@ class Admission:
         # observed / modelled TTFT per pool kind, learned from the predictions near the objective
         slo_s = settings.ttft_slo_s
         self.ttft_corrections = TTFTCorrections(1.0 if slo_s is None else 0.5 * slo_s)
+        # the gauges set after every dispatch, looked up once (labels() is not cheap)
+        self._depth_gauges = {b: metrics.QUEUE_DEPTH.labels(b) for b in LENGTH_BUCKETS}
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises OverloadedError or UnavailableError instead of
@@ -140,14 +142,16 @@ class Admission:
 
     def kind(self, ticket: Ticket) -> Kind:
         """The pool that serves the request (the module docstring's rule)."""
-        aggregated = self.policies.aggregated is not None and bool(self.pool.infos("aggregated"))
-        split = bool(self.pool.infos("prefill")) and bool(self.pool.infos("decode"))
+        aggregated = self.policies.aggregated is not None and self.pool.has("aggregated")
+        split = self.pool.has("prefill") and self.pool.has("decode")
         if aggregated and split:
             return "aggregated" if ticket.bucket == "short" else "split"
         return "aggregated" if aggregated else "split"
 
-    def _prefill_side(self, ticket: Ticket) -> list[WorkerView]:
-        return self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "prefill")
+    def _prefill_side(self, ticket: Ticket) -> RoleViews:
+        return self.pool.role_views(
+            "aggregated" if self.kind(ticket) == "aggregated" else "prefill"
+        )
 
     def estimated_wait_s(self, ticket: Ticket) -> float:
         """The router queue wait: when the tokens in front of this request (in the workers
@@ -156,13 +160,10 @@ class Admission:
         workers = self._prefill_side(ticket)
         if not workers:
             return 0.0
-        in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
+        in_front = workers.queued_tokens + self.queue.tokens_ahead(ticket)
         budget = self.settings.prefill_token_budget * len(workers)
         excess = in_front + ticket.num_prompt_tokens - budget
-        return max(0.0, excess) / self._speed(workers)
-
-    def _speed(self, workers: list[WorkerView]) -> float:
-        return sum(self.drain.speed(w.worker_id, w.tokens_per_s) for w in workers)
+        return max(0.0, excess) / self.drain.pool_speed(workers)
 
     def predicted_ttft_s(self, ticket: Ticket) -> float:
         """Arrival to first token as admission sheds by it: the modelled time, times what
@@ -176,12 +177,12 @@ class Admission:
         """Every prompt token in front of it (in those workers and ahead in the queue), then
         its own prompt on one worker (so counted once per worker of the pool's speed)."""
         workers = self._prefill_side(ticket)
-        in_front = sum(w.queued_tokens for w in workers) + self.queue.tokens_ahead(ticket)
+        in_front = workers.queued_tokens + self.queue.tokens_ahead(ticket)
         return in_front + ticket.num_prompt_tokens * len(workers)
 
     def _pool_speed(self, ticket: Ticket) -> float:
         workers = self._prefill_side(ticket)
-        return self._speed(workers) if workers else float("inf")
+        return self.drain.pool_speed(workers) if workers else float("inf")
 
     def _choose(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
         """(prefill, decode) workers with room now, one worker twice when aggregated, and the
@@ -190,10 +191,10 @@ class Admission:
         (Ticket.held_prefix_tokens). Without one, the prefill worker does."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
-            worker = self.policies.aggregated.choose(self.pool.views("aggregated"), ticket)
+            worker = self.policies.aggregated.choose(self.pool.role_views("aggregated"), ticket)
             return None if worker is None else (worker, worker, ticket)
         if self.prefixes is None:
-            prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+            prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
             decode = None if prefill is None else self._choose_decode(ticket)
             return None if prefill is None or decode is None else (prefill, decode, ticket)
         decode = self._choose_decode(ticket)
@@ -202,11 +203,11 @@ class Admission:
         if decode.info.peer_fetch:
             held = self.prefixes.overlap_tokens(decode.info, ticket)
             ticket = replace(ticket, held_prefix_tokens=held)
-        prefill = self.policies.prefill.choose(self.pool.views("prefill"), ticket)
+        prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
         return None if prefill is None else (prefill, decode, ticket)
 
     def _choose_decode(self, ticket: Ticket) -> WorkerView | None:
-        return self.policies.decode.choose(self.pool.views("decode"), ticket)
+        return self.policies.decode.choose(self.pool.role_views("decode"), ticket)
 
     def _place(self, ticket: Ticket) -> Lease | None:
         chosen = self._choose(ticket)
@@ -261,15 +262,16 @@ class Admission:
     def _check_pools(self, ticket: Ticket) -> None:
         if not self.pool.serving():
             for role in ("prefill", "decode"):
-                if not self.pool.infos(role):
+                if not self.pool.has(role):
                     raise UnavailableError(
                         f"no {role} worker (and no aggregated worker) is registered; retry "
                         "when one is up"
                     )
-        decode = self.pool.views("aggregated" if self.kind(ticket) == "aggregated" else "decode")
+        decode = self.pool.role_views(
+            "aggregated" if self.kind(ticket) == "aggregated" else "decode"
+        )
         self._check_capacity(ticket, decode)
-        num_free = sum(w.free_blocks for w in decode)
-        num_total = sum(w.total_blocks for w in decode)
+        num_free, num_total = decode.free_blocks, decode.total_blocks
         headroom_checked = self.settings.mode != "pass_through"
         if headroom_checked and num_free < self.settings.kv_reject_below_ratio * num_total:
             raise self._reject(
@@ -277,13 +279,13 @@ class Admission:
                 f"decode KV cache is full ({num_free} of {num_total} blocks free)", 1.0,
             )  # fmt: skip
 
-    def _check_capacity(self, ticket: Ticket, decode: list[WorkerView]) -> None:
+    def _check_capacity(self, ticket: Ticket, decode: RoleViews) -> None:
         """A KV hold larger than the largest decode worker's whole cache fits nowhere, however
         long it waits: refused at once. Only while every one reports its capacity (a worker
         with 0 total blocks has not yet); a busy or empty pool is the checks' above and below."""
-        if not decode or any(w.total_blocks <= 0 for w in decode):
+        if not decode or not decode.all_report_capacity():
             return
-        largest = max(w.total_blocks for w in decode)
+        largest = decode.largest_total_blocks()
         if ticket.num_kv_blocks <= largest:
             return
         samples = f" for each of its {ticket.num_seqs} samples" if ticket.num_seqs > 1 else ""
@@ -339,5 +341,5 @@ class Admission:
         return OverloadedError(reason, message, retry_after_s)
 
     def _observe_depth(self) -> None:
-        for bucket in LENGTH_BUCKETS:
-            metrics.QUEUE_DEPTH.labels(bucket).set(self.queue.depth(bucket))
+        for bucket, gauge in self._depth_gauges.items():
+            gauge.set(self.queue.depth(bucket))

@@ -24,9 +24,11 @@ class PrefillBudget:
     budget_tokens: int
 
     def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
-        if worker.queued_tokens == 0:
-            return True
-        return worker.queued_tokens + ticket.num_prompt_tokens <= self.budget_tokens
+        return worker.queued_tokens <= self.max_queued_tokens(ticket)
+
+    def max_queued_tokens(self, ticket: Ticket) -> int:
+        """The most a worker may hold and still take this request (queued tokens are >= 0)."""
+        return max(0, self.budget_tokens - ticket.num_prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,10 @@ class Watermark:
     b: float = 0.4
 
     def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
-        return [
-            self.a * w.queued_tokens / w.tokens_per_s + self.b * w.queued_requests for w in workers
-        ]
+        return [self.cost(w) for w in workers]
+
+    def cost(self, worker: WorkerView) -> float:
+        return self.a * worker.queued_tokens / worker.tokens_per_s + self.b * worker.queued_requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,10 @@ class PrefillSaved:
     def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
         return [-self._saved_tokens(w, ticket) / w.tokens_per_s for w in workers]
 
+    def credited_ids(self, ticket: Ticket) -> set[str] | None:
+        # Read from the chosen decode worker, a prefix is credited to every worker that fetches.
+        return None if ticket.held_prefix_tokens else self.prefixes.holders(ticket)
+
     def _saved_tokens(self, worker: WorkerView, ticket: Ticket) -> float:
         own, fetched = self.prefixes.prefill_prefix(worker.info, ticket)
         return own + FETCHED_TOKEN_WORTH * fetched
@@ -71,3 +76,6 @@ class KVSaved:
     def costs(self, workers: Sequence[WorkerView], ticket: Ticket) -> list[float]:
         num_prompt = max(1, ticket.num_prompt_tokens)
         return [-self.prefixes.overlap_tokens(w.info, ticket) / num_prompt for w in workers]
+
+    def credited_ids(self, ticket: Ticket) -> set[str] | None:
+        return self.prefixes.holders(ticket)
