@@ -75,6 +75,8 @@ class Policy:
     _prefix_scorers: tuple[PrefixScorer, ...] = field(init=False, repr=False, compare=False)
     _kv_use: tuple[tuple[float, KVUsage], ...] = field(init=False, repr=False, compare=False)
     _uncredited: tuple[tuple[float, Scorer], ...] = field(init=False, repr=False, compare=False)
+    _budget: PrefillBudget | None = field(init=False, repr=False, compare=False)
+    _needs_room: bool = field(init=False, repr=False, compare=False)  # it filters by KVFits
 
     def __post_init__(self) -> None:
         own = tuple((w, s) for w, s in self.scorers if isinstance(s, OwnCostScorer))
@@ -92,6 +94,9 @@ class Policy:
         object.__setattr__(self, "_kv_use", kv_use)
         uncredited = tuple((w, s) for w, s in self.scorers if not any(s is p for p in prefix))
         object.__setattr__(self, "_uncredited", uncredited)
+        budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
+        object.__setattr__(self, "_budget", budget)
+        object.__setattr__(self, "_needs_room", any(isinstance(f, KVFits) for f in self.filters))
 
     def choose(self, workers: Sequence[WorkerView], ticket: Ticket) -> WorkerView | None:
         """The chosen worker, or None when no worker can take the request now."""
@@ -179,19 +184,16 @@ class Policy:
         """Some worker is within the prefill budget and has the request's KV room: the one
         with the most free blocks within the budget is read from a ranking of them by free
         blocks, so a full cluster's placement attempt does not read every worker to fail."""
-        budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
-        by_room = workers.index(self, lambda: Ranking(_most_free_first, budget), "by_room")
+        by_room = workers.index(self, lambda: Ranking(_most_free_first, self._budget), "by_room")
         roomiest = by_room.cheapest(ticket)
         if roomiest is None:
             return False
-        needs_room = any(isinstance(f, KVFits) for f in self.filters)
-        return not needs_room or ticket.num_kv_blocks <= roomiest.free_blocks
+        return not self._needs_room or ticket.num_kv_blocks <= roomiest.free_blocks
 
     def _new_ranking(self) -> Ranking:
         if self._kv_use:  # walked: every worker in one order, the budget a filter
             return Ranking(self._walk_key, None)
-        budget = next((f for f in self.filters if isinstance(f, PrefillBudget)), None)
-        return Ranking(self._own_key, budget)
+        return Ranking(self._own_key, self._budget)
 
     def _own_key(self, worker: WorkerView) -> Key:
         return (self._own_cost(worker), worker.worker_id)
