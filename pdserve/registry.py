@@ -47,6 +47,7 @@ class WorkerInfo:
     # its decode worker holds, a decode worker lets it; False in an older worker's entry.
     peer_fetch: bool = False
     updated_at: float = 0.0
+    ttl_s: float = 0.0  # the entry's TTL when published: it is gone after updated_at + ttl_s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -67,11 +68,15 @@ class Registry:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
 
     def publish(self, info: WorkerInfo, ttl_s: float) -> None:
-        info = replace(info, updated_at=time.time())
+        info = replace(info, updated_at=time.time(), ttl_s=ttl_s)
         self.redis.set(worker_key(info.role, info.worker_id), info.to_json(), px=int(ttl_s * 1000))
 
     def remove(self, role: Role, worker_id: str) -> None:
         self.redis.delete(worker_key(role, worker_id))
+
+    def run_id(self) -> str:
+        """The Redis server's run: a new one after a restart, which lost every entry."""
+        return str(self.redis.info("server")["run_id"])
 
     def workers(self, role: Role) -> list[WorkerInfo]:
         keys = sorted(self.redis.scan_iter(match=f"{KEY_PREFIX}:{role}:*", count=500))

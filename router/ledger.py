@@ -1,10 +1,13 @@
 """The router's own assignments per worker, which correct the registry's stale load numbers.
 
 A worker's heartbeat, published at time u, already counts the assignments that were active at
-u. What the router changed since then is own(now) - own(u), so the best estimate of the load is
-    reported + own(now) - own(u),
-never less than own(now) (this router's work is there whatever the heartbeat says). Other
-routers' work is what remains of `reported`. Times are wall-clock, as heartbeats carry them.
+u. What the routers changed since then is routed(now) - routed(u), so the best estimate of the
+load is
+    reported + routed(now) - routed(u),
+never less than routed(now) (the routers' work is there whatever the heartbeat says). `routed`
+is this router's assignments and, with several router replicas, the others' as last heard
+(router/replicas.py): each peer's kept assignments replace what was known of it, and count as
+this router's own do. Times are wall-clock, as heartbeats carry them.
 
 Both shares are running totals, so a correction costs O(1): own(now) changes with each
 assignment and its end; own(u) is summed once per heartbeat time u and then kept up to date
@@ -27,6 +30,7 @@ class Assignment:
     started_at: float
     ended_at: float | None = None
     count: int = 1  # requests; decode: sequences (a request with n samples runs n)
+    owner: str = ""  # the router replica that made it ("": this one)
 
     def active_at(self, t: float) -> bool:
         return self.started_at <= t and (self.ended_at is None or self.ended_at > t)
@@ -58,6 +62,7 @@ class _WorkerAssignments:
 
     kept: list[Assignment] = field(default_factory=list)
     now: _Total = field(default_factory=_Total)  # the active ones
+    mine: _Total = field(default_factory=_Total)  # the active ones this router made
     then_at: float | None = None  # the heartbeat time `then` is summed at
     then: _Total = field(default_factory=_Total)  # the kept ones active at then_at
     oldest_end: float = math.inf  # of the kept ended ones: nothing to drop before it
@@ -65,19 +70,32 @@ class _WorkerAssignments:
     def counted_then(self, assignment: Assignment) -> bool:
         return self.then_at is not None and assignment.active_at(self.then_at)
 
+    def put(self, assignment: Assignment, sign: int = 1) -> None:
+        """Counts an assignment in (sign 1), or out again (-1), active or ended."""
+        if assignment.ended_at is None:
+            self.now.add(assignment, sign)
+            if not assignment.owner:
+                self.mine.add(assignment, sign)
+        elif sign > 0:
+            self.oldest_end = min(self.oldest_end, assignment.ended_at)
+        if self.counted_then(assignment):
+            self.then.add(assignment, sign)
+
     def start(self, assignment: Assignment) -> None:
         self.kept.append(assignment)
-        self.now.add(assignment)
-        if self.counted_then(assignment):
-            self.then.add(assignment)
+        self.put(assignment)
 
     def end(self, assignment: Assignment, at: float) -> None:
-        was_counted = self.counted_then(assignment)
+        self.put(assignment, -1)
         assignment.ended_at = at
-        self.now.add(assignment, -1)
-        if was_counted and not self.counted_then(assignment):
-            self.then.add(assignment, -1)
-        self.oldest_end = min(self.oldest_end, at)
+        self.put(assignment)
+
+    def remove_owner(self, owner: str) -> None:
+        """Forgets every assignment `owner` made."""
+        for a in self.kept:
+            if a.owner == owner:
+                self.put(a, -1)
+        self.kept = [a for a in self.kept if a.owner != owner]
 
     def drop_ended(self, before: float) -> None:
         """Forgets the assignments that ended at or before `before`."""
@@ -111,10 +129,37 @@ class Ledger:
     clock: Callable[[], float] = time.time
     _by_worker: dict[str, _WorkerAssignments] = field(default_factory=dict)
 
+    # peer router id -> the workers its last heard assignments are on
+    _peer_workers: dict[str, set[str]] = field(default_factory=dict)
+
     def add(self, worker_id: str, amount: int, count: int = 1) -> Assignment:
         assignment = Assignment(worker_id, amount, self.clock(), count=count)
         self._by_worker.setdefault(worker_id, _WorkerAssignments()).start(assignment)
         return assignment
+
+    def own(self) -> list[Assignment]:
+        """This router's kept assignments, active and ended: what its peers are told."""
+        return [a for w in self._by_worker.values() for a in w.kept if not a.owner]
+
+    def set_peer(self, peer: str, assignments: list[Assignment]) -> set[str]:
+        """Replaces what is known of a peer router's assignments (each with `owner` = peer;
+        none: the peer is gone). Returns the workers whose load changed."""
+        before = self._peer_workers.pop(peer, set())
+        for worker_id in before:
+            worker = self._by_worker.get(worker_id)
+            if worker is not None:
+                worker.remove_owner(peer)
+                if not worker.kept:
+                    del self._by_worker[worker_id]
+        for a in assignments:
+            self._by_worker.setdefault(a.worker_id, _WorkerAssignments()).start(a)
+        after = {a.worker_id for a in assignments}
+        if after:
+            self._peer_workers[peer] = after
+        return before | after
+
+    def peers(self) -> set[str]:
+        return set(self._peer_workers)
 
     def end(self, assignment: Assignment) -> None:
         worker = self._by_worker.get(assignment.worker_id)
@@ -126,6 +171,11 @@ class Ledger:
 
     def share(self, worker_id: str) -> Share:
         """This router's assignments on the worker that are active now."""
+        worker = self._by_worker.get(worker_id)
+        return Share() if worker is None else worker.mine.share()
+
+    def routed(self, worker_id: str) -> Share:
+        """Every router's assignments on the worker active now (the peers' as last heard)."""
         worker = self._by_worker.get(worker_id)
         return Share() if worker is None else worker.now.share()
 

@@ -57,3 +57,15 @@ KV_EVENTS = Counter(
     "Prefix-cache block events read from the workers' streams",
     ["event"],
 )
+KV_EVENT_RESYNCS = Counter(
+    "pdserve_router_kv_event_resyncs_total",
+    "Workers' prefix-cache streams read afresh after a gap in their entry numbers",
+)
+ROUTER_REPLICAS = Gauge(
+    "pdserve_router_replicas", "Router replicas this router hears from, itself included"
+)
+REPLICA_SYNC_FAILURES = Counter(
+    "pdserve_router_replica_sync_failures_total",
+    "Failed attempts to publish this router's assignments or to follow the other routers'",
+    ["direction"],
+)

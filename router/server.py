@@ -22,6 +22,7 @@ from router.grpc_api.server import PublicGrpcServer
 from router.http_api.app import create_app
 from router.prefix_index import PrefixIndex
 from router.prefix_index import follow as follow_prefixes
+from router.replicas import ReplicaSync
 from router.routing import build_policies
 from router.settings import RouterSettings
 from router.upstream import DecodeClient
@@ -39,6 +40,8 @@ class RouterServer:
         policies = build_policies(settings.routing, settings.admission, self.prefixes)
         self.admission = Admission(settings.admission, self.pool, policies, prefixes=self.prefixes)
         self.decode = DecodeClient(settings.worker_tls)
+        self.replicas = ReplicaSync(self.pool, settings.redis_url, self.admission.dispatch)
+        self.pool.on_assign = self.replicas.changed
         self.gateway: Gateway | None = None
         self.http_port = 0
         self.grpc_port = 0
@@ -47,6 +50,7 @@ class RouterServer:
         self._http_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._prefix_task: asyncio.Task[None] | None = None
+        self._replicas_task: asyncio.Task[None] | None = None
 
     async def start(self) -> RouterServer:
         settings = self.settings
@@ -63,6 +67,7 @@ class RouterServer:
         self.grpc_port = self._grpc.port
         await self._grpc.start()
         await self._refresh()
+        self._replicas_task = asyncio.create_task(self.replicas.run())
         self._follow_task = asyncio.create_task(self._follow_registry())
         self._prefix_task = asyncio.create_task(
             follow_prefixes(self.prefixes, settings.redis_url, self.pool.worker_ids)
@@ -116,7 +121,9 @@ class RouterServer:
             await self._grpc.stop(self.settings.drain_grace_s)
         if self._http_task is not None:
             await self._http_task
-        tasks = [t for t in (self._follow_task, self._prefix_task) if t is not None]
+        tasks = [
+            t for t in (self._follow_task, self._prefix_task, self._replicas_task) if t is not None
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,14 @@ class WorkerPool:
     block_size: int = UNREGISTERED_BLOCK_SIZE
     # The smallest context among the registered workers (None: none is); set by update().
     max_model_len: int | None = None
+    # Entries a Redis restart lost, kept until their TTLs pass (refresh()), by role and id.
+    _carried: dict[Role, dict[str, WorkerInfo]] = field(
+        default_factory=lambda: {r: {} for r in ROLES}
+    )
+    _registry_run_id: str | None = None
+    clock: Callable[[], float] = time.time  # wall-clock, as the entries' times are
+    # Called on each assignment and release (router replicas tell each other: replicas.py).
+    on_assign: Callable[[], None] | None = None
 
     def update(self, role: Role, infos: list[WorkerInfo]) -> None:
         current, fresh = self._infos[role], {info.worker_id: info for info in infos}
@@ -180,8 +189,23 @@ class WorkerPool:
         self.max_model_len = min(lengths, default=None)
 
     async def refresh(self, registry: Registry) -> None:
+        """Follows the registry. A Redis restart loses every entry at once while the workers
+        live on (each publishes again within a third of its TTL): the entries it lost are kept
+        until their own TTLs pass, so the restart is invisible to clients."""
+        run_id = await asyncio.to_thread(registry.run_id)
+        restarted = self._registry_run_id not in (None, run_id)
+        self._registry_run_id = run_id
+        now = self.clock()
         for role in ROLES:
-            self.update(role, await asyncio.to_thread(registry.workers, role))
+            fresh = await asyncio.to_thread(registry.workers, role)
+            carried = self._carried[role]
+            if restarted:
+                carried.update(self._infos[role])
+            for info in fresh:
+                carried.pop(info.worker_id, None)
+            for worker_id in [w for w, i in carried.items() if i.updated_at + i.ttl_s <= now]:
+                del carried[worker_id]
+            self.update(role, fresh + list(carried.values()))
 
     def serving(self) -> bool:
         """A whole request can be served: a prefill and a decode worker, or an aggregated one."""
@@ -208,11 +232,20 @@ class WorkerPool:
         """side: "prefill" (prompt tokens) or "decode" (KV blocks, count: sequences)."""
         assignment = self.ledgers[side].add(worker_id, amount, count)
         self._rebuild_side(side, worker_id)
+        if self.on_assign is not None:
+            self.on_assign()
         return assignment
 
     def release(self, side: Role, assignment: Assignment) -> None:
         self.ledgers[side].end(assignment)
         self._rebuild_side(side, assignment.worker_id)
+        if self.on_assign is not None:
+            self.on_assign()
+
+    def set_peer(self, side: Role, peer: str, assignments: list[Assignment]) -> None:
+        """Replaces what is known of another router replica's assignments on one side."""
+        for worker_id in self.ledgers[side].set_peer(peer, assignments):
+            self._rebuild_side(side, worker_id)
 
     def _rebuild_side(self, side: Role, worker_id: str) -> None:
         """The views a ledger change touches: the worker's on that side, and an aggregated

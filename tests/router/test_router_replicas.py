@@ -1,0 +1,183 @@
+"""Router replicas share their assignments: the ledger's peer shares, and two routers' pools
+kept in step through a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from router_harness import pool_of, ticket, with_load, worker
+
+from pdserve.redis_server import RedisServer
+from router.ledger import Assignment, Share
+from router.replicas import KEY_PREFIX, ReplicaSync, decode, encode
+from router.routing import build_policies
+from router.settings import AdmissionSettings, RoutingSettings
+from tests.waiting import wait_until_async
+
+
+def test_a_peers_assignments_count_as_this_routers_own_do():
+    info = with_load(worker("prefill", "a", updated_at=100.0), queued_tokens=700)
+    pool = pool_of(info)
+    ledger = pool.ledgers["prefill"]
+    ledger.clock = lambda: 150.0
+    mine = pool.assign("prefill", "a", 200)
+    # The peer's first one started before the heartbeat (already in its 700), its second after,
+    # and its third ended before it.
+    peer = [Assignment("a", 300, 50.0, owner="r2"), Assignment("a", 100, 120.0, owner="r2"),
+            Assignment("a", 50, 40.0, ended_at=90.0, owner="r2")]  # fmt: skip
+    pool.set_peer("prefill", "r2", peer)
+    assert pool.views("prefill")[0].queued_tokens == 700 + 200 + 100
+    assert ledger.share("a") == Share(200, 1)  # this router's own
+    assert ledger.routed("a") == Share(600, 3)
+    assert ledger.own() == [mine]
+    assert ledger.peers() == {"r2"}
+    # The peer's next state replaces the last: its second one ended at 130.
+    pool.set_peer("prefill", "r2", [peer[0], Assignment("a", 100, 120.0, 130.0, owner="r2")])
+    assert pool.views("prefill")[0].queued_tokens == 700 + 200
+    pool.set_peer("prefill", "r2", [])  # the peer is gone
+    assert ledger.peers() == set()
+    assert pool.views("prefill")[0].queued_tokens == 900  # its 300 is in the 700
+    pool.release("prefill", mine)
+    assert pool.views("prefill")[0].queued_tokens == 700
+
+
+def test_the_state_a_router_publishes_decodes_to_its_assignments():
+    pool = pool_of(worker("prefill", "p"), worker("decode", "d"))
+    pool.assign("prefill", "p", 1500)
+    held = pool.assign("decode", "d", 40, count=2)
+    pool.release("decode", held)
+    peer, sides = decode(encode("r1", pool))
+    assert peer == "r1"
+    assert [(a.worker_id, a.amount, a.count, a.ended_at is None, a.owner) for a in sides["prefill"]
+            ] == [("p", 1500, 1, True, "r1")]  # fmt: skip
+    assert [(a.worker_id, a.amount, a.count, a.ended_at, a.owner) for a in sides["decode"]] == [
+        ("d", 40, 2, held.ended_at, "r1")
+    ]
+
+
+def test_a_peers_assignments_fill_the_prefill_budget_here():
+    policies = build_policies(
+        RoutingSettings("watermark"), AdmissionSettings(prefill_token_budget=2048)
+    )
+    pool = pool_of(worker("prefill", "a"))
+    pool.set_peer("prefill", "r2", [Assignment("a", 2000, 1.0, owner="r2")])
+    assert policies.prefill.choose(pool.views("prefill"), ticket("r", 100)) is None
+    pool.set_peer("prefill", "r2", [])
+    assert policies.prefill.choose(pool.views("prefill"), ticket("r", 100)).worker_id == "a"
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def router_pool():
+    return pool_of(worker("prefill", "p"), worker("decode", "d"))
+
+
+async def started(pool, redis_url, name, ttl_s=2.0):
+    changes = []
+    sync = ReplicaSync(pool, redis_url, lambda: changes.append(1), router_id=name, ttl_s=ttl_s)
+    pool.on_assign = sync.changed
+    return sync, asyncio.create_task(sync.run())
+
+
+def queued(pool) -> int:
+    return pool.views("prefill")[0].queued_tokens
+
+
+def test_routers_see_each_others_assignments_through_redis(redis_url):
+    async def scenario():
+        a, b = router_pool(), router_pool()
+        sync_a, task_a = await started(a, redis_url, "ra")
+        sync_b, task_b = await started(b, redis_url, "rb")
+        await wait_until_async(
+            lambda: "ra" in sync_b.heard_at and "rb" in sync_a.heard_at,
+            timeout_s=30,
+            message="the routers never heard of each other",
+        )
+        held = a.assign("prefill", "p", 1500)
+        await wait_until_async(
+            lambda: queued(b) == 1500,
+            timeout_s=30,
+            message=lambda: f"b sees {queued(b)} queued tokens",
+        )
+        blocks = b.assign("decode", "d", 64, count=2)
+        await wait_until_async(
+            lambda: a.views("decode")[0].free_blocks == 1024 - 64,
+            timeout_s=30,
+            message="a never saw b's KV blocks",
+        )
+        assert a.views("decode")[0].running_requests == 2
+        a.release("prefill", held)
+        await wait_until_async(
+            lambda: queued(b) == 0,
+            timeout_s=30,
+            message=lambda: f"b still sees {queued(b)} queued tokens",
+        )
+        # A router started later learns the others' state from their keys at once.
+        c = router_pool()
+        sync_c, task_c = await started(c, redis_url, "rc")
+        await wait_until_async(
+            lambda: c.views("decode")[0].free_blocks == 1024 - 64,
+            timeout_s=30,
+            message="c never learnt b's KV blocks",
+        )
+        b.release("decode", blocks)
+        for task in (task_a, task_b, task_c):
+            task.cancel()
+        await asyncio.gather(task_a, task_b, task_c, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_router_is_forgotten_with_its_assignments(redis_url):
+    async def scenario():
+        a, b = router_pool(), router_pool()
+        sync_a, task_a = await started(a, redis_url, "quiet-a", ttl_s=0.6)
+        sync_b, task_b = await started(b, redis_url, "quiet-b", ttl_s=0.6)
+        a.assign("prefill", "p", 900)
+        await wait_until_async(
+            lambda: queued(b) == 900, timeout_s=30, message="b never saw a's assignment"
+        )
+        task_a.cancel()  # as a router killed without a word: nothing more is published
+        await asyncio.gather(task_a, return_exceptions=True)
+        await wait_until_async(
+            lambda: "quiet-a" not in sync_b.heard_at,
+            timeout_s=30,
+            message="b still hears the stopped router",
+        )
+        assert queued(b) == 0
+        task_b.cancel()
+        await asyncio.gather(task_b, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_malformed_state_is_ignored(redis_url):
+    async def scenario():
+        import redis.asyncio
+
+        b = router_pool()
+        sync_b, task_b = await started(b, redis_url, "strict-b")
+        client = redis.asyncio.Redis.from_url(redis_url)
+        await client.set(f"{KEY_PREFIX}:junk", "not json")
+        await client.publish(
+            f"{KEY_PREFIX}:assignments", json.dumps({"router_id": "x", "prefill": [[1]]})
+        )
+        await client.publish(f"{KEY_PREFIX}:assignments", encode("good", pool_of()))
+        await wait_until_async(
+            lambda: "good" in sync_b.heard_at,
+            timeout_s=30,
+            message="a well-formed state after malformed ones was lost",
+        )
+        assert "x" not in sync_b.heard_at and queued(b) == 0
+        await client.delete(f"{KEY_PREFIX}:junk")
+        await client.aclose()
+        task_b.cancel()
+        await asyncio.gather(task_b, return_exceptions=True)
+
+    asyncio.run(scenario())
