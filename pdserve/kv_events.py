@@ -6,6 +6,11 @@ An entry is a delta (hashes stored, hashes evicted, since the previous entry) or
 (every hash cached now; it replaces what came before). A worker writes a snapshot first and
 then after every SNAPSHOT_EVERY deltas, so the last MAX_ENTRIES entries, all the stream keeps,
 always rebuild the whole cache.
+
+Entries are numbered (`seq`, one more per entry, snapshots included), so a reader that finds a
+number missing (entries trimmed before it read them, or lost with a Redis restart) knows its
+copy is wrong and reads the stream afresh. A worker that finds its stream gone (Redis
+restarted) writes a snapshot next, so a new stream always starts with one.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis
 
@@ -41,20 +46,24 @@ class CacheUpdate:
     is_snapshot: bool
     stored: tuple[bytes, ...]
     evicted: tuple[bytes, ...] = ()
+    seq: int | None = None  # None: unnumbered (read only, from an older worker)
 
     def fields(self) -> dict[str, bytes]:
-        return {
+        fields = {
             "kind": b"snapshot" if self.is_snapshot else b"delta",
             "stored": b"".join(self.stored),
             "evicted": b"".join(self.evicted),
         }
+        return fields if self.seq is None else fields | {"seq": str(self.seq).encode()}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> CacheUpdate:
+        seq = fields.get(b"seq")
         return cls(
             fields.get(b"kind") == b"snapshot",
             _split(fields.get(b"stored", b"")),
             _split(fields.get(b"evicted", b"")),
+            None if seq is None else int(seq),
         )
 
     @property
@@ -116,6 +125,7 @@ class CacheEventPublisher:
         self.batch_s = batch_s  # at most one entry per this long: a busy worker batches more
         self.mirror = CacheMirror()
         self.num_entries = 0  # written since the last snapshot
+        self.seq = 0  # the next entry's number
         self._inbox: queue.SimpleQueue[list[tuple[bool, bytes]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
@@ -166,7 +176,8 @@ class CacheEventPublisher:
 
     def _publish(self) -> None:
         mirror = self.mirror
-        snapshot = self.num_entries >= SNAPSHOT_EVERY
+        # A stream gone with a restarted Redis starts again from a snapshot.
+        snapshot = self.num_entries >= SNAPSHOT_EVERY or not self.client.exists(self.key)
         update = mirror.snapshot() if snapshot else mirror.delta()
         with self.client.pipeline(transaction=False) as pipe:
             if snapshot or update.num_events:
@@ -178,4 +189,6 @@ class CacheEventPublisher:
         mirror.mark_published(update)
 
     def _add(self, pipe: redis.client.Pipeline, update: CacheUpdate) -> None:
+        update = replace(update, seq=self.seq)
+        self.seq += 1  # a failed write leaves a gap: readers then read the stream afresh
         pipe.xadd(self.key, update.fields(), maxlen=MAX_ENTRIES, approximate=True)

@@ -49,10 +49,26 @@ class PrefixIndex:
     _cached: dict[str, set[bytes]] = field(default_factory=dict)
     _holders: dict[bytes, set[str]] = field(default_factory=dict)
     _positions: dict[str, str] = field(default_factory=dict)  # last stream entry id read
+    _seqs: dict[str, int] = field(default_factory=dict)  # last entry number applied
     _last_overlap: dict[str, int] = field(default_factory=dict)
     recent: deque[Choice] = field(default_factory=lambda: deque(maxlen=_RECENT_CHOICES))
 
-    def apply(self, worker_id: str, entry_id: str, update: CacheUpdate) -> None:
+    def apply(self, worker_id: str, entry_id: str, update: CacheUpdate) -> bool:
+        """Applies one stream entry; False when entries before it were missed: the worker is
+        then forgotten, to be read again from the start of its stream (not from this entry
+        or the ones after it)."""
+        last = self._seqs.get(worker_id)
+        missed = update.seq is not None and last is not None and update.seq != last + 1
+        if missed and not update.is_snapshot:  # a snapshot replaces all before it anyway
+            # Entries were missed (trimmed unread, or lost with a Redis restart): this copy
+            # may be wrong, so the worker's stream is read again from its start.
+            log.warning("prefix-cache events of %s jumped from %d to %d: reading them afresh",
+                        worker_id, last, update.seq)  # fmt: skip
+            metrics.KV_EVENT_RESYNCS.inc()
+            self._reset(worker_id)
+            return False
+        if update.seq is not None:
+            self._seqs[worker_id] = update.seq
         cached = self._cached.setdefault(worker_id, set())
         evicted = cached.difference(update.stored) if update.is_snapshot else update.evicted
         self._forget(worker_id, evicted)
@@ -62,13 +78,18 @@ class PrefixIndex:
         self._positions[worker_id] = entry_id
         metrics.KV_EVENTS.labels("stored").inc(len(update.stored))
         metrics.KV_EVENTS.labels("evicted").inc(len(update.evicted))
+        return True
 
     def retain(self, worker_ids: set[str]) -> None:
         """Forgets the workers that left the registry (one that returns is read afresh)."""
         for worker_id in set(self._positions) - worker_ids:
-            self._positions.pop(worker_id)
-            self._forget(worker_id, self._cached.pop(worker_id, set()))
-            self._last_overlap.pop(worker_id, None)
+            self._reset(worker_id)
+
+    def _reset(self, worker_id: str) -> None:
+        self._positions.pop(worker_id, None)
+        self._seqs.pop(worker_id, None)
+        self._forget(worker_id, self._cached.pop(worker_id, set()))
+        self._last_overlap.pop(worker_id, None)
 
     def _forget(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
         cached = self._cached.get(worker_id, set())
@@ -169,6 +190,9 @@ async def follow(
                 if worker_id not in registered:
                     continue
                 for entry_id, fields in entries:
-                    index.apply(worker_id, entry_id.decode(), CacheUpdate.from_fields(fields))
+                    if not index.apply(
+                        worker_id, entry_id.decode(), CacheUpdate.from_fields(fields)
+                    ):
+                        break
     finally:
         await client.aclose()

@@ -47,7 +47,7 @@ def test_the_stream_starts_with_a_snapshot_and_batches_a_step_into_one_entry(red
     publisher = CacheEventPublisher(client, "w-restarted").start()
     try:
         # The previous incarnation's entries are gone: the cache starts empty.
-        assert entries(client, "w-restarted") == [CacheUpdate(True, ())]
+        assert entries(client, "w-restarted") == [CacheUpdate(True, (), seq=0)]
         publisher.submit([(True, h(1)), (True, h(2))])
         publisher.submit([(False, h(2)), (True, h(3))])
         wait_until(
@@ -79,11 +79,50 @@ def test_a_snapshot_follows_every_snapshot_every_deltas(redis_url, monkeypatch):
                 interval_s=0.05,
                 message="w-snap's entries never grew",
             )
-        kinds = [u.is_snapshot for u in entries(client, "w-snap")]
-        assert kinds == [True, False, False, False, True]
+        kinds = [(u.is_snapshot, u.seq) for u in entries(client, "w-snap")]
+        assert kinds == [(True, 0), (False, 1), (False, 2), (False, 3), (True, 4)]
         assert sorted(entries(client, "w-snap")[-1].stored) == sorted(h(i) for i in range(4))
     finally:
         publisher.stop()
+
+
+def test_a_stream_lost_with_redis_starts_again_from_a_snapshot(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    publisher = CacheEventPublisher(client, "w-lost", batch_s=0.0).start()
+    try:
+        publisher.submit([(True, h(1)), (True, h(2))])
+        wait_until(lambda: len(entries(client, "w-lost")) == 2, timeout_s=30,
+                   message="w-lost's delta never showed")  # fmt: skip
+        client.delete(stream_key("w-lost"))  # what a restarted Redis without persistence has
+        publisher.submit([(True, h(3))])
+        wait_until(lambda: entries(client, "w-lost"), timeout_s=30,
+                   message="w-lost never wrote again")  # fmt: skip
+        [first] = entries(client, "w-lost")
+        assert (first.is_snapshot, sorted(first.stored), first.seq) == (
+            True, sorted([h(1), h(2), h(3)]), 2,
+        )  # fmt: skip
+    finally:
+        publisher.stop()
+
+
+def test_a_gap_in_the_entry_numbers_makes_the_index_read_the_worker_afresh():
+    index = PrefixIndex()
+    assert index.apply("w", "1-0", CacheUpdate(True, (h(1),), seq=0))
+    assert index.apply("w", "2-0", CacheUpdate(False, (h(2),), seq=1))
+    # Entry 2 (which evicted h(1)) was trimmed before the router read it.
+    assert not index.apply("w", "4-0", CacheUpdate(False, (h(3),), seq=3))
+    assert (index.cached_hashes("w"), index.position("w")) == (frozenset(), "0-0")
+    # Read again from the start of the stream: its snapshot, then what follows it.
+    assert index.apply("w", "3-0", CacheUpdate(True, (h(2),), seq=2))
+    assert index.apply("w", "4-0", CacheUpdate(False, (h(3),), seq=3))
+    assert index.cached_hashes("w") == {h(2), h(3)}
+    # A snapshot after a gap replaces whatever was missed.
+    assert index.apply("w", "9-0", CacheUpdate(True, (h(4),), seq=7))
+    assert index.cached_hashes("w") == {h(4)}
+    # Unnumbered entries (an older worker's) are applied as they come.
+    assert index.apply("old", "1-0", CacheUpdate(True, (h(5),)))
+    assert index.apply("old", "9-0", CacheUpdate(False, (h(6),)))
+    assert index.cached_hashes("old") == {h(5), h(6)}
 
 
 def test_the_index_follows_rebuilds_and_forgets_workers(redis_url):
