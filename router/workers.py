@@ -37,6 +37,9 @@ class WorkerView:
     free_blocks: int  # decode: KV blocks free (cached-but-unused ones count as free)
     total_blocks: int
     running_requests: int  # decode: requests in the batch
+    # Prefill side, with router replicas: this router placed work here that its peers have not
+    # been told of yet, and places no more until they have (router/replicas.py).
+    fenced: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -167,6 +170,9 @@ class WorkerPool:
     clock: Callable[[], float] = time.time  # wall-clock, as the entries' times are
     # Called on each assignment and release (router replicas tell each other: replicas.py).
     on_assign: Callable[[], None] | None = None
+    # With peers to tell: a prefill-side worker given work is fenced until they are told.
+    fencing: bool = False
+    fenced: set[str] = field(default_factory=set)
 
     def update(self, role: Role, infos: list[WorkerInfo]) -> None:
         current, fresh = self._infos[role], {info.worker_id: info for info in infos}
@@ -231,6 +237,8 @@ class WorkerPool:
     def assign(self, side: Role, worker_id: str, amount: int, count: int = 1) -> Assignment:
         """side: "prefill" (prompt tokens) or "decode" (KV blocks, count: sequences)."""
         assignment = self.ledgers[side].add(worker_id, amount, count)
+        if side == "prefill" and self.fencing:
+            self.fenced.add(worker_id)
         self._rebuild_side(side, worker_id)
         if self.on_assign is not None:
             self.on_assign()
@@ -246,6 +254,12 @@ class WorkerPool:
         """Replaces what is known of another router replica's assignments on one side."""
         for worker_id in self.ledgers[side].set_peer(peer, assignments):
             self._rebuild_side(side, worker_id)
+
+    def unfence(self, worker_ids: set[str]) -> None:
+        """The peers have been told of the work on these workers (or cannot be told)."""
+        for worker_id in worker_ids & self.fenced:
+            self.fenced.discard(worker_id)
+            self._rebuild_side("prefill", worker_id)
 
     def _rebuild_side(self, side: Role, worker_id: str) -> None:
         """The views a ledger change touches: the worker's on that side, and an aggregated
@@ -271,6 +285,7 @@ class WorkerPool:
             return WorkerView(
                 info, queued.amount, queued.count, tokens_per_s,
                 max(0, load.total_blocks - used.amount), load.total_blocks, used.count,
+                info.worker_id in self.fenced,
             )  # fmt: skip
         ledger = self.ledgers[role]
         if role == "prefill":
@@ -278,7 +293,7 @@ class WorkerPool:
             queued = ledger.corrected(info.worker_id, reported, info.updated_at)
             return WorkerView(
                 info, queued.amount, queued.count, tokens_per_s, load.free_blocks,
-                load.total_blocks, load.running_requests,
+                load.total_blocks, load.running_requests, info.worker_id in self.fenced,
             )  # fmt: skip
         reported = Share(load.total_blocks - load.free_blocks, load.running_requests)
         used = ledger.corrected(info.worker_id, reported, info.updated_at)

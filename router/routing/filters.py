@@ -19,12 +19,14 @@ class ContextFits:
 @dataclass(frozen=True, slots=True)
 class PrefillBudget:
     """At most budget_tokens prompt tokens in a prefill worker at once; an idle worker always
-    takes one request, or a prompt over the budget could never run."""
+    takes one request, or a prompt over the budget could never run. A fenced worker takes
+    none: with router replicas, each may have given it one request the others have not heard
+    of, and no more, so it holds at most its budget plus one request per router."""
 
     budget_tokens: int
 
     def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
-        return worker.queued_tokens <= self.max_queued_tokens(ticket)
+        return not worker.fenced and worker.queued_tokens <= self.max_queued_tokens(ticket)
 
     def max_queued_tokens(self, ticket: Ticket) -> int:
         """The most a worker may hold and still take this request (queued tokens are >= 0)."""

@@ -4,11 +4,11 @@ workers, not by scoring every one. A ranking without a budget keeps every key in
 list, for a policy to walk (Policy._walked_cheapest).
 
 Under a prefill token budget the cheapest worker within it is what matters, so workers are
-kept by their queued tokens (0..budget; one over it never passes) in a min segment tree whose
-leaves are the (cost, worker id) keys of the workers at that count, sorted: the cheapest with
-at most q queued tokens is a prefix query, and a view change is one leaf and its path up. The
-tree covers the counts workers have held so far (doubling when one holds more), not the whole
-budget, which may be far larger."""
+kept by their queued tokens (0..budget; one over it, or fenced, never passes) in a min segment
+tree whose leaves are the (cost, worker id) keys of the workers at that count, sorted: the
+cheapest with at most q queued tokens is a prefix query, and a view change is one leaf and its
+path up. The tree covers the counts workers have held so far (doubling when one holds more),
+not the whole budget, which may be far larger."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Ranking:
         if new is not None:
             self._views[new.worker_id] = new
             leaf = new.queued_tokens if self._budget is not None else 0
-            if leaf <= self._max_queued:
+            if leaf <= self._max_queued and not (new.fenced and self._budget is not None):
                 if leaf >= self._num_leaves:
                     self._grow(leaf)
                 key = self._key(new)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from router_harness import pool_of, ticket, with_load, worker
@@ -66,6 +67,24 @@ def test_a_peers_assignments_fill_the_prefill_budget_here():
     assert policies.prefill.choose(pool.views("prefill"), ticket("r", 100)) is None
     pool.set_peer("prefill", "r2", [])
     assert policies.prefill.choose(pool.views("prefill"), ticket("r", 100)).worker_id == "a"
+
+
+def test_a_fenced_worker_takes_no_more_until_the_peers_are_told():
+    policies = build_policies(
+        RoutingSettings("watermark"), AdmissionSettings(prefill_token_budget=2048)
+    )
+    pool = pool_of(worker("prefill", "a"), worker("prefill", "b", queued_tokens=1000))
+    pool.fencing = True
+    views = pool.role_views("prefill")  # the ranked placement's path
+    assert policies.prefill.choose(views, ticket("r1", 100)).worker_id == "a"
+    pool.assign("prefill", "a", 100)
+    # a has room for 1,948 more tokens, but its work is not yet told: b takes the next one.
+    assert policies.prefill.choose(views, ticket("r2", 100)).worker_id == "b"
+    pool.assign("prefill", "b", 100)
+    assert policies.prefill.choose(views, ticket("r3", 100)) is None
+    pool.unfence({"a"})
+    assert policies.prefill.choose(views, ticket("r3", 100)).worker_id == "a"
+    assert [v.fenced for v in pool.views("prefill")] == [False, True]
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +200,41 @@ def test_a_malformed_state_is_ignored(redis_url):
         await asyncio.gather(task_b, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_replica_queues_behind_the_work_another_router_placed(start_router):
+    """Two routers on the real cluster, each with a one-request prefill budget: while one
+    router's long prompt is in prefill, the other sees it and queues its own request."""
+    import httpx
+    import openai
+    from router_harness import MODEL
+    from test_router_backpressure import SATURATING, admin, long_prompt, num_queued
+
+    from tests.waiting import wait_until
+
+    first, second = start_router(admission=SATURATING), start_router(admission=SATURATING)
+
+    def prefill_seen_by_second() -> dict:
+        (prefill,) = [w for w in admin(second)["workers"] if w["role"] == "prefill"]
+        return prefill
+
+    ask = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    clients = [openai.OpenAI(base_url=f"{r.http_url}/v1", api_key="none", max_retries=0,
+                             timeout=180) for r in (first, second)]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(clients[0].completions.create, prompt=long_prompt(), **ask)
+        wait_until(
+            lambda: prefill_seen_by_second()["assigned_by_replicas"]["requests"] == 1,
+            timeout_s=60, interval_s=0.02,
+            message=lambda: f"the second router sees {prefill_seen_by_second()}",
+        )  # fmt: skip
+        assert prefill_seen_by_second()["assigned_here"] == {"amount": 0, "requests": 0}
+        queued = pool.submit(clients[1].completions.create, prompt="One, two, three,", **ask)
+        wait_until(lambda: num_queued(second) == 1, timeout_s=60, interval_s=0.02,
+                   message="the second router did not queue behind the first's prompt")  # fmt: skip
+        done = [blocker.result(timeout=180), queued.result(timeout=180)]
+    assert [c.choices[0].finish_reason for c in done] == ["length", "length"]
+    assert [c.usage.completion_tokens for c in done] == [4, 4]
+    wait_until(lambda: prefill_seen_by_second()["assigned_by_replicas"]["requests"] == 0,
+               timeout_s=60, message="the first router's finished work is still seen")  # fmt: skip
+    httpx.get(f"{second.http_url}/health", timeout=10).raise_for_status()
