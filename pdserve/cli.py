@@ -332,6 +332,8 @@ UP_OPTIONS = (
     Option("prefill", None, "Prefill workers.", own_default=1),
     Option("decode", None, "Decode workers.", own_default=1),
     Option("aggregated", None, "Aggregated workers (prefill + decode in one).", own_default=0),
+    Option("routers", None, "Router replicas (ports in turn from the given ones).",
+           own_default=1),
     MODEL, DTYPE, KV_BACKEND, HOST,
     Option("http_port", None, "Router HTTP; 0 = any.", RouterSettings),
     Option("grpc_port", None, "Router gRPC; 0 = any.", RouterSettings),
@@ -364,7 +366,7 @@ def up(**values: Any) -> None:
     try:
         spec = ClusterSpec(
             num_prefill=v["prefill"], num_decode=v["decode"], num_aggregated=v["aggregated"],
-            model=v["model"], dtype=v["dtype"], kv_backend=v["kv_backend"], host=v["host"],
+            num_routers=v["routers"], model=v["model"], dtype=v["dtype"], kv_backend=v["kv_backend"], host=v["host"],
             http_port=v["http_port"], grpc_port=v["grpc_port"], num_cores=v["cores"],
             warmup=v["warmup"], log_dir=Path(v["log_dir"]) if v["log_dir"] else None,
             router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),

@@ -1,5 +1,5 @@
-"""The local cluster (`pdserve up`): Redis, N prefill, M decode and K aggregated workers and the
-router as child processes, the machine's cores divided among the workers, each restarted with
+"""The local cluster (`pdserve up`): Redis, N prefill, M decode and K aggregated workers and R
+router replicas as child processes, the machine's cores divided among the workers, each restarted with
 backoff when it dies, all stopped cleanly in order."""
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class ClusterSpec:
     num_cores: int = 0  # cores to divide among the workers; 0: all of this machine's
     warmup: bool = True
     with_router: bool = True
+    num_routers: int = 1  # replicas sharing the workers (router/replicas.py); ports in turn
     router_args: tuple[str, ...] = ()  # more `pdserve router` flags (policy, admission, key)
     worker_args: tuple[str, ...] = ()  # more `pdserve prefill|decode` flags (TLS, ...)
     log_dir: Path | None = None
@@ -125,6 +126,8 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:  # before anything starts, Redis included
         check_shape(self.num_prefill, self.num_decode, self.num_aggregated)
+        if self.num_routers < 1:
+            raise ClusterShapeError(f"--routers {self.num_routers}: a cluster needs a router")
 
     def threads_per_worker(self) -> int:
         """Torch threads per worker: the cores shared out, because workers that each take
@@ -179,7 +182,7 @@ class LocalCluster:
     spec: ClusterSpec
     redis: RedisServer | None = None
     children: list[Child] = field(default_factory=list)
-    router: RouterEndpoint | None = None  # the one `up` starts (with_router)
+    routers: list[RouterEndpoint] = field(default_factory=list)  # those `up` starts
     log_dir: Path = field(init=False)
     redis_restarts: Restarts = field(default_factory=Restarts)
     # The supervisor thread and stop() both change children and Redis: one at a time.
@@ -216,15 +219,23 @@ class LocalCluster:
             for i in range(spec.num_aggregated):  # a decode child: it stops with that group
                 name = f"aggregated-{i}"
                 self._spawn(name, ["decode", *self._worker_args(name), "--aggregated"])
-            if spec.with_router:  # starts while the workers load their models
-                self.router = self._spawn_router("router", spec.router_args,
-                                                 spec.http_port, spec.grpc_port)  # fmt: skip
-            routers = [self.router] if self.router else []
-            self._wait_ready(routers, self.children, self._all_registered, progress)
+            for i in range(spec.num_routers if spec.with_router else 0):  # while workers load
+                # Given ports in turn (8000, 8001, ...); 0 stays "any free port".
+                http_port, grpc_port = (p + i if p else 0 for p in (spec.http_port, spec.grpc_port))
+                name = "router" if i == 0 else f"router-{i}"
+                self.routers.append(
+                    self._spawn_router(name, spec.router_args, http_port, grpc_port)
+                )
+            self._wait_ready(self.routers, self.children, self._all_registered, progress)
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def router(self) -> RouterEndpoint | None:
+        """The first router: the cluster's address when there is one replica."""
+        return self.routers[0] if self.routers else None
 
     def add_router(self, name: str, args: tuple[str, ...] = ()) -> RouterEndpoint:
         """Another router on the same workers (e.g. a benchmark's other admission mode)."""
@@ -444,12 +455,17 @@ class LocalCluster:
             "model": spec.model, "max_tokens": 32, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
         })  # fmt: skip
+        others = [
+            f"  {r.name:<11} {r.http_url}/v1  gRPC {r.grpc_address}  (a replica: same workers)"
+            for r in self.routers[1:]
+        ]
         return "\n".join([
             f"pdserve is up: {spec.num_prefill} prefill + {spec.num_decode} decode + "
             f"{spec.num_aggregated} aggregated worker(s), "
             f"{spec.threads_per_worker()} thread(s) each, model {spec.model} ({spec.dtype})",
             f"  OpenAI API  {url}/v1",
             f"  gRPC        {self.router.grpc_address}  (pdserve.v1.Generation)",
+            *others,
             f"  metrics     {url}/metrics",
             f"  workers     {url}/admin/workers",
             f"  Redis       {self.redis_url}",

@@ -1,6 +1,7 @@
-"""`pdserve up` as a supervisor: a killed worker or Redis is restarted while the rest keeps
-serving, SIGTERM stops every child, and a crash loop backs off up to its cap; a shape that
-cannot serve is refused before anything starts."""
+"""`pdserve up` as a supervisor: a killed worker, router or Redis is restarted while the rest
+keeps serving (with two router replicas, the one not killed serves on), SIGTERM stops every
+child, and a crash loop backs off up to its cap; a shape that cannot serve is refused before
+anything starts."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import pytest
 from engine import LLM, SamplingParams
 from pdserve.launcher import ClusterShapeError, RestartPolicy, Restarts, check_shape
 from pdserve.phase import PHASES
-from pdserve.redis_server import free_port
 from pdserve.registry import Registry
 from tests.cluster import metric
 from tests.waiting import wait_until
@@ -37,9 +37,13 @@ class Up:
     """A running `pdserve up` and everything it printed so far."""
 
     process: subprocess.Popen[str]
-    http_url: str
+    http_urls: list[str]  # the router replicas', as the banner lists them
     redis_url: str
     lines: list[str] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        return self.http_urls[0]
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -49,19 +53,22 @@ class Up:
         found = {}
         for pid, cmdline in _children_of(self.process.pid):
             if cmdline[1:3] == ["-m", "pdserve"]:  # `python -m pdserve ROLE ...`
-                name = cmdline[cmdline.index("--worker-id") + 1] if "--worker-id" in cmdline else (
-                    cmdline[3]
-                )  # fmt: skip
+                if "--worker-id" in cmdline:
+                    name = cmdline[cmdline.index("--worker-id") + 1]
+                else:  # a router: named by its place in the banner
+                    port = cmdline[cmdline.index("--http-port") + 1]
+                    index = [u.rsplit(":", 1)[1] for u in self.http_urls].index(port)
+                    name = "router" if index == 0 else f"router-{index}"
                 found[name] = pid
             elif Path(cmdline[0]).name.startswith(("redis-server", "valkey-server")):
                 found["redis"] = pid
         return found
 
-    def complete(self) -> tuple[int, dict]:
+    def complete(self, router: int = 0) -> tuple[int, dict]:
         body = {"prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
         request = urllib.request.Request(
-            f"{self.http_url}/v1/completions", json.dumps(body).encode(),
+            f"{self.http_urls[router]}/v1/completions", json.dumps(body).encode(),
             {"Content-Type": "application/json"},
         )  # fmt: skip
         try:
@@ -105,11 +112,11 @@ def expected_text() -> str:
 
 
 def start_up(log_dir: Path) -> Up:
-    """Two prefill workers (one can be killed while the other serves) and one decode worker."""
-    http_port = free_port()
+    """Two prefill workers (one can be killed while the other serves), one decode worker and
+    two router replicas, on ports the OS picks (listed in the banner)."""
     command = [
         sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "1",
-        "--http-port", str(http_port), "--grpc-port", str(free_port()), "--no-warmup",
+        "--routers", "2", "--http-port", "0", "--grpc-port", "0", "--no-warmup",
         "--kv-backend", "tcp", "--cores", "2", "--restart-backoff-s", "0.5",
         "--log-dir", str(log_dir),
     ]  # fmt: skip
@@ -130,7 +137,9 @@ def start_up(log_dir: Path) -> Up:
     text = "".join(lines)
     assert "pdserve is up" in text, text
     redis_url = re.search(r"Redis\s+(\S+)", text).group(1)
-    return Up(process, f"http://127.0.0.1:{http_port}", redis_url, lines)
+    first = re.search(r"OpenAI API\s+(\S+)/v1", text).group(1)
+    replicas = re.findall(r"router-\d+\s+(\S+)/v1", text)
+    return Up(process, [first, *replicas], redis_url, lines)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +177,7 @@ def test_start_up_progress_shows_every_process_reaching_ready(up):
     for line in up.output().split("pdserve is up")[0].splitlines():
         name, phase = re.fullmatch(r"(\S+): (\w+) \(\d+ s\)", line).groups()
         seen.setdefault(name, []).append(phase)
-    assert set(seen) == {"redis", "router", "prefill-0", "prefill-1", "decode-0"}
+    assert set(seen) == {"redis", "router", "router-1", "prefill-0", "prefill-1", "decode-0"}
     for name, phases in seen.items():  # a poll may miss a short phase, never reorder them
         assert phases[-1] == "ready", (name, phases)
         assert phases == sorted(set(phases), key=PHASES.index), (name, phases)
@@ -187,7 +196,7 @@ def test_workers_run_the_default_quantization(up):
 
 def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expected_text):
     before = up.children()
-    assert set(before) == {"redis", "router", "prefill-0", "prefill-1", "decode-0"}
+    assert set(before) == {"redis", "router", "router-1", "prefill-0", "prefill-1", "decode-0"}
     old_address = registered(up)["prefill-0"]
     os.kill(before["prefill-0"], signal.SIGKILL)
 
@@ -224,6 +233,11 @@ def test_a_killed_prefill_worker_is_restarted_while_the_cluster_serves(up, expec
 def test_a_killed_redis_is_restarted_on_its_port_and_the_workers_register_again(up, expected_text):
     before = up.children()
     os.kill(before["redis"], signal.SIGKILL)
+    # Served while Redis is down or just restarted, empty: the routers keep their snapshot.
+    for router in (0, 1):
+        status, body = up.complete(router)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected_text
     wait_until(
         lambda: up.children().get("redis", before["redis"]) != before["redis"],
         timeout_s=WAIT_S,
@@ -253,9 +267,41 @@ def test_a_killed_redis_is_restarted_on_its_port_and_the_workers_register_again(
     assert body["choices"][0]["text"] == expected_text
 
 
+def test_a_killed_router_leaves_the_other_serving(up, expected_text):
+    assert len(up.http_urls) == 2 and "router-1" in up.output().split("pdserve is up")[1]
+    before = up.children()
+    outcomes: list[tuple[int, dict]] = []
+    killed = threading.Event()
+
+    def steady_load() -> None:  # through the router that stays, before and after the kill
+        while len(outcomes) < 3 or not killed.is_set() or len(outcomes) < 6:
+            outcomes.append(up.complete(0))
+
+    load = threading.Thread(target=steady_load)
+    load.start()
+    wait_until(lambda: len(outcomes) >= 2, timeout_s=WAIT_S, message="the load never started")
+    os.kill(before["router-1"], signal.SIGKILL)
+    killed.set()
+    load.join(timeout=WAIT_S)
+    assert [status for status, _ in outcomes] == [200] * len(outcomes)
+    assert {body["choices"][0]["text"] for _, body in outcomes} == {expected_text}
+    wait_until(
+        lambda: up.children().get("router-1", before["router-1"]) != before["router-1"],
+        timeout_s=WAIT_S,
+        interval_s=0.2,
+        message="router-1 started again",
+    )
+    assert f"router-1 (pid {before['router-1']}) exited with code -9 (SIGKILL)" in up.output()
+    wait_until(lambda: _router_healthy(up, 1), timeout_s=WAIT_S, interval_s=0.2,
+               message="the restarted router-1 serves")  # fmt: skip
+    status, body = up.complete(1)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text
+
+
 def test_sigterm_to_the_launcher_stops_every_child(up):
     pids = up.children()
-    assert len(pids) == 5
+    assert len(pids) == 6
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(timeout=120) == 0
     wait_until(
@@ -268,9 +314,9 @@ def test_sigterm_to_the_launcher_stops_every_child(up):
     assert [name for name, pid in pids.items() if _is_alive(pid)] == []
 
 
-def _router_healthy(up: Up) -> bool:
+def _router_healthy(up: Up, router: int = 0) -> bool:
     try:
-        with urllib.request.urlopen(f"{up.http_url}/health", timeout=5) as response:
+        with urllib.request.urlopen(f"{up.http_urls[router]}/health", timeout=5) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False

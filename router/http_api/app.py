@@ -28,7 +28,7 @@ from router.http_api.openapi import declare_request_bodies
 from router.http_api.request_id import RequestId, check_request_id
 from router.http_api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
 from router.http_api.streaming import ClientGone, sse_events, until_disconnect
-from router.ledger import Share
+from router.ledger import Ledger
 from router.workers import WorkerView
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         pool = gateway.pool
         prefixes = admission.prefixes
         workers = [
-            _worker_json(
-                view, pool.ledgers["decode" if role == "aggregated" else role].share(view.worker_id)
-            )  # fmt: skip
+            _worker_json(view, pool.ledgers["decode" if role == "aggregated" else role])
             | ({"prefix_cache": prefixes.worker_json(view.worker_id)} if prefixes else {})
             for role in ROLES
             for view in pool.views(role)
@@ -193,8 +191,8 @@ async def _respond(
     return JSONResponse(responder.response(choices, whole.usage), headers=headers)
 
 
-def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:
-    info = view.info
+def _worker_json(view: WorkerView, ledger: Ledger) -> dict[str, Any]:
+    info, here, routed = view.info, ledger.share(view.worker_id), ledger.routed(view.worker_id)
     return {
         "role": info.role,
         "worker_id": info.worker_id,
@@ -205,8 +203,13 @@ def _worker_json(view: WorkerView, assigned: Share) -> dict[str, Any]:
         "heartbeat_age_s": round(max(0.0, time.time() - info.updated_at), 3),
         "reported_load": asdict(info.load),
         # In flight from this router: prompt tokens (prefill) or KV blocks (decode), requests.
-        "assigned_here": {"amount": assigned.amount, "requests": assigned.count},
-        "effective_load": {  # the heartbeat plus this router's assignments since
+        "assigned_here": {"amount": here.amount, "requests": here.count},
+        # In flight from the other router replicas, as last heard (router/replicas.py).
+        "assigned_by_replicas": {
+            "amount": routed.amount - here.amount,
+            "requests": routed.count - here.count,
+        },
+        "effective_load": {  # the heartbeat plus the routers' assignments since
             "queued_tokens": view.queued_tokens,
             "queued_requests": view.queued_requests,
             "free_blocks": view.free_blocks,
