@@ -31,6 +31,7 @@ class Assignment:
     ended_at: float | None = None
     count: int = 1  # requests; decode: sequences (a request with n samples runs n)
     owner: str = ""  # the router replica that made it ("": this one)
+    serial: int = 0  # its number in its owner's ledger: how the owner's peers name it
 
     def active_at(self, t: float) -> bool:
         return self.started_at <= t and (self.ended_at is None or self.ended_at > t)
@@ -129,11 +130,14 @@ class Ledger:
     clock: Callable[[], float] = time.time
     _by_worker: dict[str, _WorkerAssignments] = field(default_factory=dict)
 
-    # peer router id -> the workers its last heard assignments are on
-    _peer_workers: dict[str, set[str]] = field(default_factory=dict)
+    # peer router id -> serial -> its assignment as last heard; what its next full state no
+    # longer has leaves
+    _peers: dict[str, dict[int, Assignment]] = field(default_factory=dict)
+    _serial: int = 0
 
     def add(self, worker_id: str, amount: int, count: int = 1) -> Assignment:
-        assignment = Assignment(worker_id, amount, self.clock(), count=count)
+        self._serial += 1
+        assignment = Assignment(worker_id, amount, self.clock(), count=count, serial=self._serial)
         self._by_worker.setdefault(worker_id, _WorkerAssignments()).start(assignment)
         return assignment
 
@@ -142,24 +146,47 @@ class Ledger:
         return [a for w in self._by_worker.values() for a in w.kept if not a.owner]
 
     def set_peer(self, peer: str, assignments: list[Assignment]) -> set[str]:
-        """Replaces what is known of a peer router's assignments (each with `owner` = peer;
-        none: the peer is gone). Returns the workers whose load changed."""
-        before = self._peer_workers.pop(peer, set())
-        for worker_id in before:
+        """Replaces what is known of a peer router's assignments with its full state (each
+        with `owner` = peer; none: the peer is gone). Returns the workers whose load changed:
+        only theirs are touched."""
+        old = self._peers.pop(peer, {})
+        new = {a.serial: a for a in assignments}
+        changed = {a.worker_id for serial, a in old.items() if new.get(serial) != a}
+        changed |= {a.worker_id for serial, a in new.items() if old.get(serial) != a}
+        for worker_id in changed:
             worker = self._by_worker.get(worker_id)
             if worker is not None:
                 worker.remove_owner(peer)
-                if not worker.kept:
-                    del self._by_worker[worker_id]
+        known = {serial: a for serial, a in old.items() if a.worker_id not in changed}
+        for serial, a in new.items():
+            if a.worker_id in changed:
+                self._by_worker.setdefault(a.worker_id, _WorkerAssignments()).start(a)
+                known[serial] = a
+        for worker_id in changed:
+            self._forget_if_empty(worker_id)
+        if known:
+            self._peers[peer] = known
+        return changed
+
+    def update_peer(self, peer: str, assignments: list[Assignment]) -> set[str]:
+        """A peer's assignments that started or ended since its last message. Returns the
+        workers whose load changed."""
+        known = self._peers.setdefault(peer, {})
+        changed = set()
         for a in assignments:
-            self._by_worker.setdefault(a.worker_id, _WorkerAssignments()).start(a)
-        after = {a.worker_id for a in assignments}
-        if after:
-            self._peer_workers[peer] = after
-        return before | after
+            old = known.get(a.serial)
+            if old is None:
+                self._by_worker.setdefault(a.worker_id, _WorkerAssignments()).start(a)
+                known[a.serial] = a
+            elif old.ended_at is None and a.ended_at is not None:  # active: still kept
+                self._by_worker[old.worker_id].end(old, a.ended_at)
+            else:
+                continue
+            changed.add(a.worker_id)
+        return changed
 
     def peers(self) -> set[str]:
-        return set(self._peer_workers)
+        return set(self._peers)
 
     def end(self, assignment: Assignment) -> None:
         worker = self._by_worker.get(assignment.worker_id)
@@ -195,5 +222,9 @@ class Ledger:
         if worker is None:
             return
         worker.drop_ended(before)
-        if not worker.kept:
+        self._forget_if_empty(worker_id)
+
+    def _forget_if_empty(self, worker_id: str) -> None:
+        worker = self._by_worker.get(worker_id)
+        if worker is not None and not worker.kept:
             del self._by_worker[worker_id]

@@ -1,15 +1,16 @@
 """Router replicas share one view of the cluster: each router tells the others, through Redis,
-the assignments it has made (prompt tokens on prefill workers, KV blocks on decode workers,
-per worker, active and recently ended), and adds theirs to its own ledgers (ledger.py). The
-prefill token budget, the KV headroom and the queue-based TTFT prediction are then
-cluster-wide.
+the assignments it makes (prompt tokens on prefill workers, KV blocks on decode workers, per
+worker, as they start and end), and adds theirs to its own ledgers (ledger.py). The prefill
+token budget, the KV headroom and the queue-based TTFT prediction are then cluster-wide.
 
-A router publishes its whole state, not deltas, so one lost message costs nothing: the next
-replaces it. It publishes on every change (at most once per `min_gap_s`, a burst is one
-message) and every `ttl_s / 3` while idle, as a Redis PUBLISH (pushed to the peers at once)
-and a key with a TTL (what a router starting later reads first). A peer not heard from for
-`ttl_s` is gone (killed, or cut from Redis): its assignments are forgotten, and the workers'
-heartbeats carry what remains of its work.
+A router publishes a message on every change (at most one per `min_gap_s`: a burst is one
+message) as a Redis PUBLISH, pushed to the peers at once. A message is a delta (the
+assignments that started or ended since the last one) or, every `ttl_s / 3`, the full state
+(every assignment it keeps), which also goes to a key with a TTL that a router starting later
+reads first. Messages are numbered: a peer that misses one ignores that router's deltas until
+its next full state, so a lost message costs at most one full-state period of staleness. A
+peer not heard from for `ttl_s` is gone (killed, or cut from Redis): its assignments are
+forgotten, and the workers' heartbeats carry what remains of its work.
 
 Staleness: a peer's assignment reaches this router within min_gap_s + a publish and its push
 (a few ms on one network). Inside that window two routers may each place work on the same
@@ -32,6 +33,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -52,21 +54,32 @@ def new_router_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def encode(router_id: str, pool: WorkerPool) -> str:
-    """This router's state: per side, [worker, amount, count, started_at, ended_at]."""
-    state: dict[str, Any] = {"router_id": router_id, "sent_at": time.time()}
-    for side in SIDES:
-        state[side] = [
-            [a.worker_id, a.amount, a.count, a.started_at, a.ended_at]
-            for a in pool.ledgers[side].own()
-        ]
-    return json.dumps(state, separators=(",", ":"))
+Record = list[Any]  # [serial, worker, amount, count, started_at, ended_at]
 
 
-def decode(raw: str | bytes) -> tuple[str, dict[str, list[Assignment]]]:
-    state = json.loads(raw)
-    peer = str(state["router_id"])
-    return peer, {
+def record(a: Assignment) -> Record:
+    return [a.serial, a.worker_id, a.amount, a.count, a.started_at, a.ended_at]
+
+
+def encode(router_id: str, seq: int, full: bool, sides: dict[str, list[Assignment]]) -> str:
+    message: dict[str, Any] = {"router_id": router_id, "seq": seq, "full": full}
+    for side, assignments in sides.items():
+        message[side] = [record(a) for a in assignments]
+    return json.dumps(message, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    peer: str
+    seq: int
+    full: bool
+    sides: dict[str, list[Assignment]]
+
+
+def decode(raw: str | bytes) -> Message:
+    message = json.loads(raw)
+    peer = str(message["router_id"])
+    sides = {
         side: [
             Assignment(
                 str(w),
@@ -75,11 +88,13 @@ def decode(raw: str | bytes) -> tuple[str, dict[str, list[Assignment]]]:
                 None if end is None else float(end),
                 int(count),
                 owner=peer,
+                serial=int(serial),
             )  # fmt: skip
-            for w, amount, count, start, end in state.get(side, [])
+            for serial, w, amount, count, start, end in message.get(side, [])
         ]
         for side in SIDES
     }
+    return Message(peer, int(message["seq"]), bool(message["full"]), sides)
 
 
 class ReplicaSync:
@@ -98,6 +113,9 @@ class ReplicaSync:
         self.min_gap_s = min_gap_s
         self.clock = clock
         self.heard_at: dict[str, float] = {}  # peer -> clock time of its last message
+        self._peer_seq: dict[str, int | None] = {}  # None: waiting for its next full state
+        self._seq = 0  # this router's next message number
+        self._pending: dict[str, dict[int, Assignment]] = {side: {} for side in SIDES}
         self._published = True  # the last publish reached Redis
         self._changed = asyncio.Event()
         self._client: redis.asyncio.Redis | None = None  # run()'s; the simulator needs none
@@ -105,34 +123,59 @@ class ReplicaSync:
     def key(self) -> str:
         return f"{KEY_PREFIX}:{self.router_id}"
 
-    def changed(self) -> None:
-        """This router assigned or released work: tell the peers (soon, batched)."""
+    def changed(self, side: str, assignment: Assignment) -> None:
+        """This router's assignment started or ended: tell the peers (soon, batched)."""
+        self._pending[side][assignment.serial] = assignment
         self._changed.set()
 
-    def state(self) -> tuple[str, set[str]]:
-        """What to publish now, and the fenced workers whose work it tells of."""
-        return encode(self.router_id, self.pool), set(self.pool.fenced)
+    def message(self, full: bool) -> tuple[str, set[str]]:
+        """The next message to publish (the changes since the last one, or the full state),
+        and the fenced workers whose work it tells of."""
+        if full:
+            sides = {side: self.pool.ledgers[side].own() for side in SIDES}
+        else:
+            sides = {side: list(pending.values()) for side, pending in self._pending.items()}
+        for pending in self._pending.values():
+            pending.clear()
+        raw = encode(self.router_id, self._seq, full, sides)
+        self._seq += 1
+        return raw, set(self.pool.fenced)
 
     def published(self, told: set[str], reached: bool) -> None:
-        """A publish of state() ended: it reached Redis, or not (then the peers cannot be told:
-        no fence until they can, as they forget this router after ttl_s anyway, or it would
-        place one request per worker per try)."""
+        """A publish of message() ended: it reached Redis, or not (then the peers cannot be
+        told: no fence until they can, as they forget this router after ttl_s anyway, or it
+        would place one request per worker per try; and they miss a number, so they wait for
+        the next full state)."""
         self._published = reached
         self._fence_if_told()
         self.pool.unfence(told if reached else set(self.pool.fenced))
         self.on_peer_change()  # the unfenced workers may take queued work
 
     def take_in(self, raw: str | bytes) -> None:
-        """A peer's state, as published."""
+        """A peer's message, as published."""
         try:
-            peer, assignments = decode(raw)
+            message = decode(raw)
         except (ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring a malformed router state: %s", e)
+            log.warning("ignoring a malformed router message: %s", e)
             return
+        peer = message.peer
         if peer == self.router_id:
             return
         self.heard_at[peer] = self.clock()
-        self._set_peer(peer, assignments)
+        last = self._peer_seq.get(peer)
+        if message.full:
+            for side in SIDES:
+                self.pool.set_peer(side, peer, message.sides[side])
+        elif last is not None and message.seq == last + 1:
+            for side in SIDES:
+                self.pool.update_peer(side, peer, message.sides[side])
+        else:  # a message missed (or joined mid-stream): wait for the next full state
+            if last is not None:
+                log.info("missed a message from router %s: waiting for its full state", peer)
+            self._peer_seq[peer] = None
+            return
+        self._peer_seq[peer] = message.seq
+        self._peer_changed()
 
     async def run(self) -> None:
         """Publishes and listens until cancelled; then removes this router's key."""
@@ -145,22 +188,28 @@ class ReplicaSync:
             await self._client.aclose()
 
     async def _publish_loop(self) -> None:
+        full_due = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):  # idle: send the same state again
+            with contextlib.suppress(TimeoutError):  # idle: the full state, as a heartbeat
                 await asyncio.wait_for(self._changed.wait(), timeout=self.ttl_s / 3)
             self._changed.clear()
-            state, told = self.state()
+            full = self.clock() >= full_due
+            if full:
+                full_due = self.clock() + self.ttl_s / 3
+            raw, told = self.message(full)
             assert self._client is not None
             try:
                 async with self._client.pipeline(transaction=False) as pipe:
-                    pipe.set(self.key(), state, px=int(self.ttl_s * 1000))
-                    pipe.publish(CHANNEL, state)
+                    if full:
+                        pipe.set(self.key(), raw, px=int(self.ttl_s * 1000))
+                    pipe.publish(CHANNEL, raw)
                     await pipe.execute()
                 self.published(told, reached=True)
-            except redis.RedisError as e:  # the next change or tick sends the whole state again
+            except redis.RedisError as e:  # the next full state tells the peers all again
                 metrics.REPLICA_SYNC_FAILURES.labels("publish").inc()
                 log.warning("publishing this router's assignments failed: %s", e)
                 self.published(told, reached=False)
+                full_due = 0.0
             await asyncio.sleep(self.min_gap_s)
 
     async def _listen_loop(self) -> None:
@@ -197,11 +246,12 @@ class ReplicaSync:
         for peer in [p for p, at in self.heard_at.items() if now - at > self.ttl_s]:
             log.info("router replica %s went silent: forgetting its assignments", peer)
             del self.heard_at[peer]
-            self._set_peer(peer, {side: [] for side in SIDES})
+            self._peer_seq.pop(peer, None)
+            for side in SIDES:
+                self.pool.set_peer(side, peer, [])
+            self._peer_changed()
 
-    def _set_peer(self, peer: str, assignments: dict[str, list[Assignment]]) -> None:
-        for side in SIDES:
-            self.pool.set_peer(side, peer, assignments[side])
+    def _peer_changed(self) -> None:
         metrics.ROUTER_REPLICAS.set(len(self.heard_at) + 1)
         self._fence_if_told()
         self.on_peer_change()

@@ -168,8 +168,9 @@ class WorkerPool:
     )
     _registry_run_id: str | None = None
     clock: Callable[[], float] = time.time  # wall-clock, as the entries' times are
-    # Called on each assignment and release (router replicas tell each other: replicas.py).
-    on_assign: Callable[[], None] | None = None
+    # Called with each assignment as it starts and ends (router replicas tell each other of
+    # them: replicas.py).
+    on_assign: Callable[[Role, Assignment], None] | None = None
     # With peers to tell: a prefill-side worker given work is fenced until they are told.
     fencing: bool = False
     fenced: set[str] = field(default_factory=set)
@@ -241,18 +242,23 @@ class WorkerPool:
             self.fenced.add(worker_id)
         self._rebuild_side(side, worker_id)
         if self.on_assign is not None:
-            self.on_assign()
+            self.on_assign(side, assignment)
         return assignment
 
     def release(self, side: Role, assignment: Assignment) -> None:
         self.ledgers[side].end(assignment)
         self._rebuild_side(side, assignment.worker_id)
         if self.on_assign is not None:
-            self.on_assign()
+            self.on_assign(side, assignment)
 
     def set_peer(self, side: Role, peer: str, assignments: list[Assignment]) -> None:
         """Replaces what is known of another router replica's assignments on one side."""
         for worker_id in self.ledgers[side].set_peer(peer, assignments):
+            self._rebuild_side(side, worker_id)
+
+    def update_peer(self, side: Role, peer: str, assignments: list[Assignment]) -> None:
+        """Another router replica's assignments on one side that started or ended."""
+        for worker_id in self.ledgers[side].update_peer(peer, assignments):
             self._rebuild_side(side, worker_id)
 
     def unfence(self, worker_ids: set[str]) -> None:

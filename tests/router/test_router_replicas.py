@@ -26,16 +26,23 @@ def test_a_peers_assignments_count_as_this_routers_own_do():
     mine = pool.assign("prefill", "a", 200)
     # The peer's first one started before the heartbeat (already in its 700), its second after,
     # and its third ended before it.
-    peer = [Assignment("a", 300, 50.0, owner="r2"), Assignment("a", 100, 120.0, owner="r2"),
-            Assignment("a", 50, 40.0, ended_at=90.0, owner="r2")]  # fmt: skip
+    peer = [Assignment("a", 300, 50.0, owner="r2", serial=1),
+            Assignment("a", 100, 120.0, owner="r2", serial=2),
+            Assignment("a", 50, 40.0, ended_at=90.0, owner="r2", serial=3)]  # fmt: skip
     pool.set_peer("prefill", "r2", peer)
     assert pool.views("prefill")[0].queued_tokens == 700 + 200 + 100
     assert ledger.share("a") == Share(200, 1)  # this router's own
     assert ledger.routed("a") == Share(600, 3)
     assert ledger.own() == [mine]
     assert ledger.peers() == {"r2"}
-    # The peer's next state replaces the last: its second one ended at 130.
-    pool.set_peer("prefill", "r2", [peer[0], Assignment("a", 100, 120.0, 130.0, owner="r2")])
+    # A delta: its second one ended at 130, and a fourth started.
+    changes = [Assignment("a", 100, 120.0, 130.0, owner="r2", serial=2),
+               Assignment("a", 20, 140.0, owner="r2", serial=4)]  # fmt: skip
+    pool.update_peer("prefill", "r2", changes)
+    assert pool.views("prefill")[0].queued_tokens == 700 + 200 + 20
+    # Its next full state replaces all: the fourth is gone.
+    pool.set_peer("prefill", "r2", [peer[0], Assignment("a", 100, 120.0, 130.0, owner="r2",
+                                                        serial=2)])  # fmt: skip
     assert pool.views("prefill")[0].queued_tokens == 700 + 200
     pool.set_peer("prefill", "r2", [])  # the peer is gone
     assert ledger.peers() == set()
@@ -44,18 +51,43 @@ def test_a_peers_assignments_count_as_this_routers_own_do():
     assert pool.views("prefill")[0].queued_tokens == 700
 
 
-def test_the_state_a_router_publishes_decodes_to_its_assignments():
+def test_a_routers_messages_carry_its_changes_then_its_full_state():
     pool = pool_of(worker("prefill", "p"), worker("decode", "d"))
+    sync = ReplicaSync(pool, "redis://unused", lambda: None, router_id="r1")
+    pool.on_assign = sync.changed
     pool.assign("prefill", "p", 1500)
     held = pool.assign("decode", "d", 40, count=2)
     pool.release("decode", held)
-    peer, sides = decode(encode("r1", pool))
-    assert peer == "r1"
-    assert [(a.worker_id, a.amount, a.count, a.ended_at is None, a.owner) for a in sides["prefill"]
-            ] == [("p", 1500, 1, True, "r1")]  # fmt: skip
-    assert [(a.worker_id, a.amount, a.count, a.ended_at, a.owner) for a in sides["decode"]] == [
-        ("d", 40, 2, held.ended_at, "r1")
+    raw, told = sync.message(full=False)
+    delta = decode(raw)
+    assert (delta.peer, delta.seq, delta.full, told) == ("r1", 0, False, set())
+    assert [(a.serial, a.worker_id, a.amount, a.count, a.ended_at is None, a.owner)
+            for a in delta.sides["prefill"]] == [(1, "p", 1500, 1, True, "r1")]  # fmt: skip
+    assert [(a.serial, a.amount, a.count, a.ended_at) for a in delta.sides["decode"]] == [
+        (1, 40, 2, held.ended_at)
     ]
+    assert decode(sync.message(full=False)[0]).sides == {"prefill": [], "decode": []}
+    full = decode(sync.message(full=True)[0])
+    assert (full.seq, full.full) == (2, True)
+    assert [a.amount for a in full.sides["prefill"]] == [1500]
+
+
+def test_a_peer_that_misses_a_message_waits_for_the_full_state():
+    sender, receiver = pool_of(worker("prefill", "p")), pool_of(worker("prefill", "p"))
+    out = ReplicaSync(sender, "redis://unused", lambda: None, router_id="out")
+    into = ReplicaSync(receiver, "redis://unused", lambda: None, router_id="in")
+    sender.on_assign = out.changed
+    into.take_in(out.message(full=True)[0])
+    sender.assign("prefill", "p", 100)
+    into.take_in(out.message(full=False)[0])
+    assert queued(receiver) == 100
+    sender.assign("prefill", "p", 200)
+    out.message(full=False)  # lost on its way
+    sender.assign("prefill", "p", 400)
+    into.take_in(out.message(full=False)[0])
+    assert queued(receiver) == 100  # the gap: its deltas wait
+    into.take_in(out.message(full=True)[0])
+    assert queued(receiver) == 700
 
 
 def test_a_peers_assignments_fill_the_prefill_budget_here():
@@ -185,9 +217,10 @@ def test_a_malformed_state_is_ignored(redis_url):
         client = redis.asyncio.Redis.from_url(redis_url)
         await client.set(f"{KEY_PREFIX}:junk", "not json")
         await client.publish(
-            f"{KEY_PREFIX}:assignments", json.dumps({"router_id": "x", "prefill": [[1]]})
+            f"{KEY_PREFIX}:assignments",
+            json.dumps({"router_id": "x", "seq": 0, "full": True, "prefill": [[1]]}),
         )
-        await client.publish(f"{KEY_PREFIX}:assignments", encode("good", pool_of()))
+        await client.publish(f"{KEY_PREFIX}:assignments", encode("good", 0, True, {}))
         await wait_until_async(
             lambda: "good" in sync_b.heard_at,
             timeout_s=30,
