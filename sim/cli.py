@@ -84,3 +84,17 @@ def validate(
     out_dir = _out_dir(out, "validate")
     result = study.run(requests, seed, out_dir)
     _finish(out_dir, "validate", study.table(result), result)
+
+
+@app.command()
+def replicas(
+    requests: Annotated[int, typer.Option(help="Closed-loop requests per run.")] = 2000,
+    seed: Seed = 0,
+    out: Out = "",
+) -> None:
+    """4 router replicas vs 1 on 64 workers: throughput, short TTFT p99, the budget bound."""
+    from sim import replicas as study
+
+    out_dir = _out_dir(out, "replicas")
+    result = study.run(requests, seed)
+    _finish(out_dir, "replicas", study.table(result), result)

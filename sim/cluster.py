@@ -2,7 +2,10 @@
 aging and 429 rules, the routing policies, WorkerPool and Ledger) in front of SimWorkers, on
 the virtual clock. Between them, the services' calls (decode-driven remote prefill, KV
 shipped per finished chunk, streaming) are modelled as coroutines with the network as a cost
-model; the rules those calls follow are the services' and the router's own functions."""
+model; the rules those calls follow are the services' and the router's own functions. With
+several routers, each is a full set of those objects with its ReplicaSync, and Redis between
+them is a delay: a router's state reaches the others replica_sync_s after the change that
+made it (its publish batching plus a push through Redis)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from prefill_service.request_path import Shipment, first_token_params
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway, excluding
-from router.ledger import Ledger
+from router.ledger import Assignment, Ledger
+from router.replicas import ReplicaSync
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
 from router.workers import WorkerPool
@@ -42,6 +46,8 @@ class ClusterConfig:
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     heartbeat_s: float = 2.0  # a worker publishes its load every registry_ttl_s / 3
     registry_refresh_s: float = 0.5  # the router re-reads the registry this often
+    num_routers: int = 1  # requests go to them in turn
+    replica_sync_s: float = 0.003  # ReplicaSync.min_gap_s + a publish and its push
     max_sim_s: float = 3600.0  # a run still going at this virtual time is stuck
 
 
@@ -155,6 +161,17 @@ class _Sink:
 
 
 @dataclass(slots=True)
+class SimRouter:
+    """One router replica: the real router objects, its replica sync without Redis."""
+
+    pool: WorkerPool
+    admission: Admission
+    gateway: Gateway
+    replicas: ReplicaSync
+    sync_due: bool = False  # a publish is on its way
+
+
+@dataclass(slots=True)
 class Samples:
     queue_depth: list[tuple[float, dict[str, int]]] = field(default_factory=list)
 
@@ -164,7 +181,6 @@ class Simulation:
         self.config = config
         self.cost = cost
         self.loop = asyncio.get_running_loop()
-        clock = self.loop.time
         self.workers: dict[str, SimWorker] = {}
         for spec in config.workers:
             engine = config.decode_engine if spec.kind == "decode" else config.prefill_engine
@@ -173,23 +189,69 @@ class Simulation:
                 worker.engine.on_computed = lambda r, w=worker: self._ship(w, r)
             self.workers[spec.worker_id] = worker
         self.registry: dict[Role, dict[str, WorkerInfo]] = {role: {} for role in ROLES}
-        self.pool = WorkerPool(
-            config.admission.default_prefill_tokens_per_s,
-            ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
-        )
-        policies = build_policies(config.routing, config.admission)
-        self.admission = Admission(config.admission, self.pool, policies, clock=clock)
-        settings = RouterSettings(redis_url="sim://", admission=config.admission,
-                                  routing=config.routing)  # fmt: skip
-        self.gateway = Gateway(settings, None, self.pool, self.admission, None)  # type: ignore[arg-type]
+        self.routers = [self._new_router(f"router-{i}") for i in range(config.num_routers)]
         self.meter = RouterMeter()
+        self._num_served = 0
+        # Prompt tokens placed on each prefill-side worker and not yet prefilled, per request:
+        # the budget invariant's ground truth (max_over_budget).
+        self.placed: dict[str, dict[str, int]] = {}
+        self.max_over_budget = 0  # tokens, past the budget plus one request per router
         self.records: list[Record] = []
         self.samples = Samples()
         self.kv_links: dict[str, float] = {}  # prefill worker -> when its link is free
         self._transfers: dict[str, _Transfer] = {}
         self._background: list[asyncio.Task[None]] = []
 
+    def _new_router(self, router_id: str) -> SimRouter:
+        config, clock = self.config, self.loop.time
+        pool = WorkerPool(
+            config.admission.default_prefill_tokens_per_s,
+            ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
+        )
+        policies = build_policies(config.routing, config.admission)
+        admission = Admission(config.admission, pool, policies, clock=clock)
+        settings = RouterSettings(redis_url="sim://", admission=config.admission,
+                                  routing=config.routing)  # fmt: skip
+        gateway = Gateway(settings, None, pool, admission, None)  # type: ignore[arg-type]
+        replicas = ReplicaSync(pool, "sim://", admission.dispatch, router_id, clock=clock)
+        router = SimRouter(pool, admission, gateway, replicas)
+        if config.num_routers > 1:
+
+            def changed(side: Role, assignment: Assignment) -> None:
+                replicas.changed(side, assignment)
+                self._sync_soon(router)
+
+            pool.on_assign = changed
+        return router
+
     # ---- the control plane -----------------------------------------------------------------
+    def _sync_soon(self, router: SimRouter) -> None:
+        """ReplicaSync._publish_loop: a change is published after the batching gap, and every
+        other router takes the state in as it arrives through Redis."""
+        if not router.sync_due:
+            router.sync_due = True
+            self.loop.call_later(self.config.replica_sync_s, self._sync, router)
+
+    def _sync(self, router: SimRouter, full: bool = False) -> None:
+        with self.meter:
+            router.sync_due = False
+            message, told = router.replicas.message(full)
+            for other in self.routers:
+                if other is not router:
+                    other.replicas.take_in(message)
+            router.replicas.published(told, reached=True)
+
+    def _place(self, worker_id: str, request_id: str, num_tokens: int) -> None:
+        """Checks the budget invariant as work is placed: a worker holds at most its
+        prompt-token budget plus one request per router (router/replicas.py)."""
+        placed = self.placed.setdefault(worker_id, {})
+        placed[request_id] = num_tokens
+        if self.config.admission.mode == "pass_through":
+            return
+        largest = sorted(placed.values(), reverse=True)[: len(self.routers)]
+        over = sum(placed.values()) - sum(largest) - self.config.admission.prefill_token_budget
+        self.max_over_budget = max(self.max_over_budget, over)
+
     def _publish(self, worker: SimWorker) -> None:
         self.registry[worker.spec.kind][worker.worker_id] = worker.info()
         usage = 1.0 - worker.stats.num_free_blocks / worker.stats.num_blocks
@@ -198,10 +260,11 @@ class Simulation:
     def _refresh(self) -> None:
         """RouterServer._refresh: take the registry's snapshot, then dispatch."""
         with self.meter:
-            for role in ROLES:
-                self.pool.update(role, list(self.registry[role].values()))
-            self.admission.dispatch()
-        depth = {b: self.admission.queue.depth(b) for b in LENGTH_BUCKETS}
+            for router in self.routers:
+                for role in ROLES:
+                    router.pool.update(role, list(self.registry[role].values()))
+                router.admission.dispatch()
+        depth = {b: sum(r.admission.queue.depth(b) for r in self.routers) for b in LENGTH_BUCKETS}
         self.samples.queue_depth.append((self.loop.time(), depth))
 
     async def _heartbeat(self, worker: SimWorker, phase_s: float) -> None:
@@ -225,6 +288,9 @@ class Simulation:
             phase = self.config.heartbeat_s * (i + 1) / (n + 1)
             self._background.append(self.loop.create_task(self._heartbeat(worker, phase)))
         self._refresh()
+        if len(self.routers) > 1:  # replicas hear of each other at once
+            for router in self.routers:
+                self._sync(router, full=True)
         self._background.append(self.loop.create_task(self._follow_registry()))
 
     async def stop(self) -> None:
@@ -289,29 +355,33 @@ class Simulation:
                         request.max_tokens, sent_s=self.loop.time())  # fmt: skip
         self.records.append(record)
         await asyncio.sleep(hop)  # client -> router
+        router = self.routers[self._num_served % len(self.routers)]
+        self._num_served += 1
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         try:
             with self.meter:
-                job = self.gateway.job(request.prompt_token_ids, lambda _room: params,
+                job = router.gateway.job(request.prompt_token_ids, lambda _room: params,
                                        self.loop.time())  # fmt: skip
                 ticket = replace(job.ticket, request_id=request.request_id,
                                  arrival_s=self.loop.time())  # fmt: skip
             record.bucket = ticket.bucket
             while True:
-                lease = await self.meter.run(self.admission.admit(ticket))
+                lease = await self.meter.run(router.admission.admit(ticket))
                 record.queue_wait_s, record.dispatched_s = lease.queue_wait_s, self.loop.time()
                 record.prefill_worker = lease.prefill.worker_id
+                self._place(lease.prefill.worker_id, request.request_id, ticket.num_prompt_tokens)
                 record.decode_worker = lease.decode.worker_id
                 try:
                     await self._run_leased(request, params, lease, record)
                     return record
                 except OverloadedError:  # Run._next: a full decode worker; try each other once
                     with self.meter:
-                        excluded = excluding(ticket, lease.decode.worker_id, self.pool)
+                        excluded = excluding(ticket, lease.decode.worker_id, router.pool)
                     if excluded is None:
                         raise
                     ticket = replace(ticket, excluded_decode_ids=excluded)
                 finally:
+                    self.placed[lease.prefill.worker_id].pop(request.request_id, None)
                     self.meter.call(lease.end)
         except InvalidRequestError:
             record.status = 400
@@ -345,6 +415,7 @@ class Simulation:
             worker.kick()
         first_s = await sink.first
         await asyncio.sleep(max(0.0, first_s + hop - self.loop.time()))  # decode -> router
+        self.placed[lease.prefill.worker_id].pop(request.request_id, None)
         self.meter.call(lease.end_prefill)
         record.ttft_s = first_s + 2 * hop - record.sent_s
         done_s = await sink.done

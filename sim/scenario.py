@@ -141,7 +141,7 @@ def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None
         await sim.stop()
         check_no_leaks(sim)
         return Result(scenario, sim.records, sim.workers, sim.samples, end_s, sim.meter.cpu_s,
-                      0.0)  # fmt: skip
+                      0.0, {"max_over_budget_tokens": sim.max_over_budget})  # fmt: skip
 
     result = run_virtual(main())
     result.wall_s = time.perf_counter() - started
