@@ -47,6 +47,23 @@ def test_a_burst_over_the_queue_limit_gets_exact_429s(cost: LinearCost):
     assert summary["requests_per_worker"] == {"p0": 8, "p1": 8}
 
 
+def test_two_router_replicas_hold_each_worker_within_its_budget_plus_one_request_each(
+    cost: LinearCost,
+):
+    """The same burst split over two routers: each places one request per worker before the
+    other hears of it (the fence), queues 10 and rejects the rest; no worker is ever past its
+    300 tokens plus one request per router."""
+    admission = AdmissionSettings(prefill_token_budget=300, max_queued_requests=10,
+                                  max_queue_wait_s=1000.0)  # fmt: skip
+    config = replace(pd_cluster(admission=admission), num_routers=2)
+    load = OpenLoop(0.0, 10.0, bursts_s=(1.0,), burst_size=40)
+    summary = simulate(Scenario("burst", config, PROMPT_100, load), cost).summary()
+    assert summary["completed"] == 2 * (2 + 10)
+    assert summary["rejected_by_reason"] == {"queue_full": 2 * (20 - 12)}
+    assert summary["requests_per_worker"] == {"p0": 12, "p1": 12}
+    assert summary["max_over_budget_tokens"] == 0
+
+
 @pytest.mark.parametrize(
     ("policy", "placed"),
     [
