@@ -40,6 +40,10 @@ class PlannerSettings(BaseSettings):
     # change, so one quiet interval does not undo a scale-up that is still starting.
     scale_up_cooldown_s: float = Field(0.0, ge=0)
     scale_down_cooldown_s: float = Field(300.0, ge=0)
+    # The Kubernetes connector's targets (the Helm chart sets them): the pools' Deployments.
+    namespace: str = ""
+    prefill_deployment: str = ""
+    decode_deployment: str = ""
 
     @model_validator(mode="after")
     def _bounds_fit(self) -> PlannerSettings:
