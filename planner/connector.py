@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from planner.settings import PoolName
 
 
+class ConnectorError(RuntimeError):
+    """A load source or connector that could not do its part this interval (the API or the
+    metrics server refused or was unreachable); the planner logs it and tries next interval."""
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """One interval's traffic and latency. TTFT and ITL are means over the requests whose first

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kubernetes.client import AppsV1Api, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
-from planner.connector import Connector
+from planner.connector import Connector, ConnectorError
 from planner.settings import PoolName
 
 # The ReplicaSet controller removes pods of lower cost first; unmarked pods cost 0.
@@ -21,7 +21,7 @@ MAX_CONFLICTS = 3  # another writer (kubectl scale, a rollout) won; re-read and 
 PodLoads = Callable[[PoolName], Mapping[str, float]]  # pool -> {pod name: running requests}
 
 
-class ScaleError(RuntimeError):
+class ScaleError(ConnectorError):
     """A scale the API server refused (RBAC, or conflicts past MAX_CONFLICTS)."""
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 
-from planner.connector import Connector, LoadSource, Observation
+from planner.connector import Connector, ConnectorError, LoadSource, Observation
 from planner.decision import Decision, Load
 from planner.metrics import PlannerMetrics
 from planner.predictors import make_predictor
@@ -57,7 +57,10 @@ class Planner:
     def run_forever(self) -> None:
         while True:
             started = time.monotonic()
-            self.step(started)
+            try:
+                self.step(started)
+            except ConnectorError as e:  # the next interval reads and writes afresh
+                log.error("planner interval skipped: %s", e)
             time.sleep(max(0.0, self.settings.interval_s - (time.monotonic() - started)))
 
     def decide(self, obs: Observation, actual: dict[PoolName, int], now_s: float) -> Decision:

@@ -40,10 +40,15 @@ class PlannerSettings(BaseSettings):
     # change, so one quiet interval does not undo a scale-up that is still starting.
     scale_up_cooldown_s: float = Field(0.0, ge=0)
     scale_down_cooldown_s: float = Field(300.0, ge=0)
-    # The Kubernetes connector's targets (the Helm chart sets them): the pools' Deployments.
+    # On a cluster (`pdserve planner`; the Helm chart sets these): the pools' Deployments, the
+    # Prometheus server that scrapes the router and workers, the workers' profile (a JSON file,
+    # planner/profile.py), and the port of the planner's own /metrics.
     namespace: str = ""
     prefill_deployment: str = ""
     decode_deployment: str = ""
+    prometheus_url: str = ""
+    profile_path: str = ""
+    metrics_port: int = Field(9402, ge=1, le=65535)
 
     @model_validator(mode="after")
     def _bounds_fit(self) -> PlannerSettings:
