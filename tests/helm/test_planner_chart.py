@@ -25,8 +25,8 @@ def planner_docs(helm):
 def test_planner_objects_and_no_autoscaler(planner_docs):
     planner = component("planner")
     names = {(d["kind"], d["metadata"]["name"]) for d in planner_docs}
-    assert {("ServiceAccount", planner), ("Role", planner), ("RoleBinding", planner),
-            ("Deployment", planner), ("NetworkPolicy", planner)} <= names  # fmt: skip
+    kinds = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "NetworkPolicy", "ConfigMap")
+    assert {(kind, planner) for kind in kinds} <= names
     assert of_kind(planner_docs, "HorizontalPodAutoscaler") == []
     # The planner owns the pools' counts: a helm upgrade must not reset them.
     for pool in ("prefill", "decode"):
@@ -54,12 +54,15 @@ def test_planner_pod_runs_with_its_own_account_and_settings(planner_docs):
     assert deployment["spec"]["replicas"] == 1
     assert (spec["serviceAccountName"], spec["automountServiceAccountToken"]) == (
         component("planner"), True)  # fmt: skip
-    assert container(deployment)["args"] == ["planner", "--metrics-port=9402"]
+    assert container(deployment)["args"] == ["planner"]
     env = {name: e.get("value") for name, e in env_by_name(deployment).items()}
     assert env | {"PDSERVE_PLANNER_NAMESPACE": None} == {
         "PDSERVE_PLANNER_NAMESPACE": None,  # from the downward API
         "PDSERVE_PLANNER_PREFILL_DEPLOYMENT": component("prefill"),
         "PDSERVE_PLANNER_DECODE_DEPLOYMENT": component("decode"),
+        "PDSERVE_PLANNER_PROMETHEUS_URL": "http://prometheus-operated.monitoring.svc:9090",
+        "PDSERVE_PLANNER_PROFILE_PATH": "/etc/pdserve/planner/profile.json",
+        "PDSERVE_PLANNER_METRICS_PORT": "9402",
         "PDSERVE_PLANNER_TTFT_TARGET_S": "0.5",
         "PDSERVE_PLANNER_ITL_TARGET_S": "0.05",
         "PDSERVE_PLANNER_INTERVAL_S": "60",
@@ -73,6 +76,24 @@ def test_planner_pod_runs_with_its_own_account_and_settings(planner_docs):
         "PDSERVE_PLANNER_GPU_BUDGET": "16",
         "PDSERVE_PLANNER_SCALE_DOWN_COOLDOWN_S": "300",
     }
+
+
+def test_the_profile_reaches_the_pod_as_the_planner_reads_it(planner_docs, tmp_path):
+    from planner.profile import Profile
+
+    config_map = find(planner_docs, "ConfigMap", component("planner"))
+    (tmp_path / "profile.json").write_text(config_map["data"]["profile.json"])
+    profile = Profile.load(tmp_path / "profile.json")
+    assert profile.prefill.prompt_tokens == (512, 4096)
+    assert profile.decode.itl(64, 4096) == 0.045
+    spec = pod_spec(find(planner_docs, "Deployment", component("planner")))
+    assert {"name": "profile", "configMap": {"name": component("planner")}} in spec["volumes"]
+
+
+def test_the_planner_needs_a_profile(helm):
+    with pytest.raises(HelmFailed) as failed:
+        helm.template(PLANNER_VALUES, set_values=("planner.profile=null",))
+    assert "planner.enabled needs planner.profile" in failed.value.stderr
 
 
 def test_planner_env_names_are_its_settings():
