@@ -101,7 +101,8 @@ def api() -> Iterator[ApiState]:
     state = ApiState({"pd-prefill": 2, "pd-decode": 3}, annotations=pods)
     handler = type("Handler", (StandIn,), {"state": state})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll interval: shutdown() waits for one.
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     state.port = server.server_address[1]  # type: ignore[attr-defined]
     yield state

@@ -57,7 +57,7 @@ def prometheus() -> Iterator[dict]:
             self.wfile.write(data)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     state["url"] = f"http://127.0.0.1:{server.server_address[1]}"
     yield state
     server.shutdown()
