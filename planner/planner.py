@@ -104,8 +104,9 @@ class Planner:
         expected_ttft = self.profile.prefill.ttft_s(obs.prompt_tokens)
         context = decode_context_tokens(obs.prompt_tokens, obs.output_tokens)
         expected_itl = self.profile.decode.itl(obs.decode_batch_per_worker, context)
-        if obs.ttft_s is not None:
+        # A zero mean is no measurement (and a zero correction would divide the ITL target).
+        if obs.ttft_s:
             self.corrections["prefill"] = obs.ttft_s / expected_ttft
-        if obs.itl_s is not None:
+        if obs.itl_s:
             self.corrections["decode"] = obs.itl_s / expected_itl
         return expected_ttft, expected_itl

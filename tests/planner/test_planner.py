@@ -84,6 +84,14 @@ def test_an_interval_without_latency_keeps_the_last_corrections(profile):
     assert planner.step(120.0).corrections["decode"] == 2.0
 
 
+def test_a_zero_latency_is_no_measurement(profile):
+    planner, _, _ = make(
+        profile, [interval(20.0, itl_s=0.04), interval(20.0, ttft_s=0.0, itl_s=0.0)]
+    )
+    planner.step(60.0)
+    assert planner.step(120.0).corrections == {"prefill": 1.0, "decode": 2.0}
+
+
 def test_an_empty_interval_keeps_the_lengths_and_sizes_for_no_traffic(profile):
     empty = Observation(60.0, 0, 0.0, 0.0, None, None, 0.0)
     planner, _, _ = make(profile, [interval(20.0), empty], scale_down_cooldown_s=0.0)
