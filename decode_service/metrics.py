@@ -11,3 +11,5 @@ PREFILL_ATTEMPTS = Counter(
     "pdserve_decode_prefill_attempts_total", "Prefill attempts by outcome", ["outcome"]
 )
 REQUESTS = Counter("pdserve_decode_requests_total", "Generate requests by outcome", ["outcome"])
+# The SLA planner's output-length signal (prompt tokens: pdserve_prefill_prompt_tokens_total).
+OUTPUT_TOKENS = Counter("pdserve_decode_output_tokens_total", "Tokens streamed, every sample's")

@@ -170,6 +170,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             for output in stream:
                 message = grpc_convert.response(output)
                 num_output_tokens += len(output.new_token_ids)
+                metrics.OUTPUT_TOKENS.inc(len(output.new_token_ids))
                 if output.new_token_ids and not ttft_sent:
                     ttft_sent = True
                     message.ttft.CopyFrom(_ttft(request, prefill, started))

@@ -378,6 +378,24 @@ def up(**values: Any) -> None:
     raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))
 
 
+@app.command()
+def planner(log_level: Annotated[str, typer.Option(help="Log level.")] = "info") -> None:
+    """Run the SLA planner on a Kubernetes cluster: it sets the prefill and decode
+    Deployments' replicas from TTFT and ITL targets (PDSERVE_PLANNER_*, docs/planner.md)."""
+    from pydantic import ValidationError
+
+    from planner.service import PlannerConfigError, build
+    from planner.settings import PlannerSettings
+
+    _setup_logging(log_level)
+    try:
+        loop = build(PlannerSettings())
+    except (ValidationError, PlannerConfigError) as e:  # a usage error, as up's
+        typer.echo(f"pdserve planner: {e}", err=True)
+        raise typer.Exit(2) from e
+    loop.run_forever()
+
+
 from sim.cli import app as sim_app  # noqa: E402 (light: each study imports its own modules)
 
 app.add_typer(sim_app, name="sim", help="Cluster simulator (docs/simulator.md).")

@@ -98,3 +98,18 @@ def replicas(
     out_dir = _out_dir(out, "replicas")
     result = study.run(requests, seed)
     _finish(out_dir, "replicas", study.table(result), result)
+
+
+@app.command()
+def planner(
+    hours: Annotated[float, typer.Option(help="Length of the simulated day.")] = 2.0,
+    seed: Seed = 0,
+    out: Out = "",
+) -> None:
+    """The SLA planner through a day (1x -> 8x -> 1x, a phase of long prompts) on 16 H200s,
+    per predictor, vs the smallest static prefill:decode split as good."""
+    from sim import planner_study as study
+
+    out_dir = _out_dir(out, "planner")
+    result = study.run(seed, study.Day().lasting(hours), plots_dir=out_dir)
+    _finish(out_dir, "planner", study.table(result), result)

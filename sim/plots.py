@@ -1,5 +1,5 @@
 """PNG plots of a simulated run: TTFT CDF per length bucket, per-worker utilisation over time,
-and the router's admission queue depth."""
+the router's admission queue depth; and the planner's replicas and load over time."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pdserve.lengths import LENGTH_BUCKETS  # noqa: E402
+from planner.decision import Decision  # noqa: E402
 from sim.scenario import Result  # noqa: E402
 
 NUM_WINDOWS = 40
@@ -81,4 +82,34 @@ def _queue_depth(result: Result, path: Path) -> Path:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_planner(decisions: dict[str, list[Decision]], path: Path) -> Path:
+    """One panel per predictor: desired vs actual replicas per pool, and observed vs predicted
+    request rate on the right axis."""
+    fig, axes = plt.subplots(len(decisions), 1, figsize=(8, 2.6 * len(decisions)), sharex=True,
+                             squeeze=False)  # fmt: skip
+    for ax, (name, runs) in zip(axes[:, 0], decisions.items(), strict=True):
+        minutes = [d.time_s / 60 for d in runs]
+        for pool, colour in (("prefill", "tab:blue"), ("decode", "tab:orange")):
+            ax.step(minutes, [d.actual[pool] for d in runs], where="post", color=colour,
+                    label=f"{pool} actual")  # fmt: skip
+            ax.step(minutes, [d.desired[pool] for d in runs], where="post", color=colour,
+                    linestyle="--", label=f"{pool} desired")  # fmt: skip
+        ax.set_ylabel("replicas")
+        ax.set_title(f"{name}", fontsize=9)
+        load = ax.twinx()
+        load.plot(minutes, [d.observed["request_rate"] for d in runs], color="gray",
+                  linewidth=0.8, label="req/s observed")  # fmt: skip
+        load.plot(minutes, [d.predicted["request_rate"] for d in runs], color="black",
+                  linewidth=0.8, linestyle=":", label="req/s predicted")  # fmt: skip
+        load.set_ylabel("req/s")
+        if ax is axes[0, 0]:
+            ax.legend(fontsize=7, loc="upper left")
+            load.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("time (min, simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path

@@ -11,6 +11,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
 ALL_ON_VALUES = CHART / "ci" / "all-on-values.yaml"
+PLANNER_VALUES = CHART / "ci" / "planner-values.yaml"
 TOOLS_VENV = Path(os.environ.get("PDSERVE_TOOLS_VENV", ROOT / ".venv-tools"))
 SETUP_SCRIPT = "helm/tools/setup.sh"
 

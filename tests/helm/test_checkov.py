@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from .chart import ALL_ON_VALUES, CHART, tool_path, tools_env
+from .chart import ALL_ON_VALUES, CHART, PLANNER_VALUES, tool_path, tools_env
 
 CHECKOV_RELEASE = "release-name"  # the name checkov's own `helm template` gives the release
 
@@ -22,7 +22,11 @@ def checkov_reports(tmp_path_factory) -> dict[str, dict]:
     tool_path("helm")
     env = tools_env(tmp_path_factory.mktemp("checkov-helm-home"))
     env["HELM_NAMESPACE"] = "pdserve"
-    runs = {"default": [], "all-on": ["--var-file", str(ALL_ON_VALUES)]}
+    runs = {
+        "default": [],
+        "all-on": ["--var-file", str(ALL_ON_VALUES)],
+        "planner": ["--var-file", str(PLANNER_VALUES)],
+    }
     procs = {
         name: subprocess.Popen(
             [
@@ -62,7 +66,7 @@ def checked_resources(report: dict) -> set[str]:
     return {c["resource"] for kind in ("passed_checks", "skipped_checks") for c in results[kind]}
 
 
-@pytest.mark.parametrize("values", ["default", "all-on"])
+@pytest.mark.parametrize("values", ["default", "all-on", "planner"])
 def test_no_failed_checks(checkov_reports, values):
     report = checkov_reports[values]
     failed = [
@@ -75,6 +79,8 @@ def test_no_failed_checks(checkov_reports, values):
 
     workloads = [("Deployment", role) for role in ("router", "prefill", "decode")]
     workloads += [("StatefulSet", "redis"), ("ConfigMap", "config")]
+    if values == "planner":
+        workloads += [("Deployment", "planner"), ("Role", "planner"), ("RoleBinding", "planner")]
     for kind, name in workloads:
         assert f"{kind}.pdserve.{CHECKOV_RELEASE}-pdserve-{name}" in checked_resources(report)
 
@@ -100,6 +106,15 @@ def test_suppressions_are_exactly_these_with_reasons(checkov_reports):
         "all-on": [
             ("CKV_K8S_25", "Deployment.decode"),
             ("CKV_K8S_35", "Deployment.router"),
+        ],
+        # The planner is the one role that calls the Kubernetes API: it mounts its token.
+        "planner": [
+            ("CKV_K8S_38", "Deployment.planner"),
+            ("CKV_K8S_43", "Deployment.decode"),
+            ("CKV_K8S_43", "Deployment.planner"),
+            ("CKV_K8S_43", "Deployment.prefill"),
+            ("CKV_K8S_43", "Deployment.router"),
+            ("CKV_K8S_43", "StatefulSet.redis"),
         ],
     }
     for report in checkov_reports.values():

@@ -24,7 +24,9 @@ metadata:
     {{- . | nindent 4 }}
   {{- end }}
 spec:
-  {{- if not $values.autoscaling.enabled }}
+  {{- /* Left out when an autoscaler or the planner owns the count: an upgrade would reset it. */}}
+  {{- $planned := and $root.Values.planner.enabled (has .component (list "prefill" "decode")) }}
+  {{- if not (or $values.autoscaling.enabled $planned) }}
   replicas: {{ $values.replicas }}
   {{- end }}
   revisionHistoryLimit: 5

@@ -1,0 +1,1 @@
+"""The SLA planner: prefill and decode replica counts from TTFT and ITL targets."""
