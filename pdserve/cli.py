@@ -366,7 +366,8 @@ def up(**values: Any) -> None:
     try:
         spec = ClusterSpec(
             num_prefill=v["prefill"], num_decode=v["decode"], num_aggregated=v["aggregated"],
-            num_routers=v["routers"], model=v["model"], dtype=v["dtype"], kv_backend=v["kv_backend"], host=v["host"],
+            num_routers=v["routers"], model=v["model"], dtype=v["dtype"],
+            kv_backend=v["kv_backend"], host=v["host"],
             http_port=v["http_port"], grpc_port=v["grpc_port"], num_cores=v["cores"],
             warmup=v["warmup"], log_dir=Path(v["log_dir"]) if v["log_dir"] else None,
             router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),

@@ -1,6 +1,6 @@
 """The local cluster (`pdserve up`): Redis, N prefill, M decode and K aggregated workers and R
-router replicas as child processes, the machine's cores divided among the workers, each restarted with
-backoff when it dies, all stopped cleanly in order."""
+router replicas as child processes, the machine's cores divided among the workers, each
+restarted with backoff when it dies, all stopped cleanly in order."""
 
 from __future__ import annotations
 
