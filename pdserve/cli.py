@@ -346,6 +346,8 @@ UP_OPTIONS = (
     Option("max_restart_backoff_s", "PDSERVE_MAX_RESTART_BACKOFF_S",
            "Cap of a crash loop's delay.",
            own_default=_field_default(RestartPolicy, "max_backoff_s")),
+    Option("planner", None, "Size the prefill and decode pools from TTFT/ITL targets "
+           "(PDSERVE_PLANNER_*).", own_default=False),
 )  # fmt: skip
 
 
@@ -373,10 +375,33 @@ def up(**values: Any) -> None:
             router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),
             restart=restart,
         )  # fmt: skip
-    except ClusterShapeError as e:  # a usage error: click's exit code for those
+        after_start = _local_planner() if v["planner"] else None
+    except (ClusterShapeError, ValueError) as e:  # a usage error: click's exit code for those
         typer.echo(f"pdserve up: {e}", err=True)
         raise typer.Exit(2) from e
-    raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo))
+    raise typer.Exit(run_until_signalled(LocalCluster(spec), typer.echo, after_start))
+
+
+# `pdserve up --planner`'s own defaults, where no PDSERVE_PLANNER_* variable sets them: a few
+# workers on one machine, decided every 20 s, so a load change shows within a minute.
+LOCAL_PLANNER_DEFAULTS = {"gpu_budget": max(3, os.cpu_count() or 1), "interval_s": 20.0,
+                          "scale_down_cooldown_s": 60.0}  # fmt: skip
+
+
+def _local_planner() -> Callable[[Any], Any]:
+    """The planner for `up --planner`, checked before anything starts: its settings (a
+    ValueError names the bad one) and the workers' profile, from this machine's fitted step
+    costs (sim/local_cpu.json). Returns what starts it on the cluster."""
+    from planner import local
+    from planner.settings import PlannerSettings
+    from sim.costs import LocalCoefficients, LocalCost
+    from sim.planner_study import profile_of
+
+    defaults = {name: value for name, value in LOCAL_PLANNER_DEFAULTS.items()
+                if f"PDSERVE_PLANNER_{name.upper()}" not in os.environ}  # fmt: skip
+    settings = PlannerSettings(**defaults)
+    profile = profile_of(LocalCost(LocalCoefficients.load()), EngineConfig().chunk_size)
+    return lambda cluster: local.start(cluster, settings, profile)
 
 
 @app.command()

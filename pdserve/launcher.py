@@ -5,6 +5,7 @@ restarted with backoff when it dies, all stopped cleanly in order."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import signal
@@ -27,7 +28,9 @@ from pdserve.progress import Phases, StartupProgress
 from pdserve.redis_server import RedisServer, free_port
 from pdserve.registry import Registry, Role
 
-WORKER_DRAIN_GRACE_S = 5.0  # a local cluster has no rolling updates to wait for
+# A worker stopped (Ctrl-C, or the planner's scale-down) finishes what it holds for this long:
+# a few output streams of a CPU model, not a rolling update's minutes.
+WORKER_DRAIN_GRACE_S = 30.0
 SUPERVISE_EVERY_S = 0.5
 Report = Callable[[str], None]
 Progress = Callable[[Phases], None]
@@ -251,6 +254,34 @@ class LocalCluster:
             self.children.remove(child)
         child.process.send_signal(signal.SIGTERM)
         _wait_or_kill(child.process, WORKER_DRAIN_GRACE_S + 15)
+
+    def worker_names(self, role: str) -> list[str]:
+        """The prefill or decode workers running or starting (not aggregated ones)."""
+        with self._lock:
+            return [c.name for c in self.children
+                    if c.role == role and "--aggregated" not in c.args]  # fmt: skip
+
+    def add_worker(self, role: str) -> str:
+        """Starts one more prefill or decode worker (a planner's scale-up); its name. It
+        serves once registered, and is supervised like the others."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the cluster is stopping")
+            taken = {c.name for c in self.children}
+            name = next(f"{role}-{i}" for i in itertools.count() if f"{role}-{i}" not in taken)
+            self._spawn(name, [role, *self._worker_args(name)])
+        return name
+
+    def remove_worker(self, name: str) -> None:
+        """Drains a worker out of the cluster (a planner's scale-down): out of supervision
+        first, then SIGTERM, on which it leaves the registry, finishes what it holds (up to
+        WORKER_DRAIN_GRACE_S) and exits. Returns at once; the wait runs in the background."""
+        with self._lock:
+            child = self.child(name)
+            self.children.remove(child)
+        child.process.send_signal(signal.SIGTERM)
+        threading.Thread(target=_wait_or_kill, args=(child.process, WORKER_DRAIN_GRACE_S + 15),
+                         name=f"drain-{name}", daemon=True).start()  # fmt: skip
 
     def child(self, name: str) -> Child:
         with self._lock:
@@ -477,9 +508,12 @@ class LocalCluster:
         ])  # fmt: skip
 
 
-def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
+def run_until_signalled(
+    cluster: LocalCluster, echo: Report, after_start: Callable[[LocalCluster], None] | None = None
+) -> int:
     """`pdserve up`: start, print the banner, serve (restarting children that die) until
-    Ctrl-C or SIGTERM, then stop everything. Non-zero only when start-up failed."""
+    Ctrl-C or SIGTERM, then stop everything. Non-zero only when start-up failed. after_start
+    (the planner, with `--planner`) runs once the cluster serves."""
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
@@ -493,6 +527,8 @@ def run_until_signalled(cluster: LocalCluster, echo: Report) -> int:
             cluster.start(progress)
         echo(cluster.banner())
         cluster.watch(echo)
+        if after_start is not None:
+            after_start(cluster)
         while True:
             time.sleep(3600)  # the signal handler ends the wait
     except KeyboardInterrupt:

@@ -38,6 +38,35 @@ class Observation:
         return self.num_met_slo / self.num_finished if self.num_finished else None
 
 
+# The counters an interval's load is the increase of, summed over their series: requests are
+# counted at their first token (the router's TTFT histogram), prompt tokens where they are
+# prefilled, output tokens where they are streamed. Every load source reads these.
+COUNTERS = {
+    "requests": "pdserve_router_ttft_seconds_count",
+    "ttft_sum_s": "pdserve_router_ttft_seconds_sum",
+    "itl_count": "pdserve_router_inter_token_latency_seconds_count",
+    "itl_sum_s": "pdserve_router_inter_token_latency_seconds_sum",
+    "prompt_tokens": "pdserve_prefill_prompt_tokens_total",
+    "output_tokens": "pdserve_decode_output_tokens_total",
+}
+DECODE_RUNNING = "pdserve_decode_running_requests"  # a gauge, averaged over decode workers
+
+
+def observation(interval_s: float, v: dict[str, float]) -> Observation:
+    """An interval's Observation from the counters' increases (COUNTERS' names) and
+    "decode_batch_per_worker". Per-request SLO attainment is not observed this way: the
+    histograms give TTFT and ITL means and counts, not each request's pair."""
+    requests = round(v["requests"])
+    return Observation(
+        interval_s=interval_s, num_requests=requests,
+        prompt_tokens=v["prompt_tokens"] / requests if requests else 0.0,
+        output_tokens=v["output_tokens"] / requests if requests else 0.0,
+        ttft_s=v["ttft_sum_s"] / v["requests"] if v["requests"] else None,
+        itl_s=v["itl_sum_s"] / v["itl_count"] if v["itl_count"] else None,
+        decode_batch_per_worker=v["decode_batch_per_worker"],
+    )  # fmt: skip
+
+
 class LoadSource(ABC):
     @abstractmethod
     def observe(self) -> Observation:

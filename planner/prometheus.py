@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import httpx
 
-from planner.connector import ConnectorError, LoadSource, Observation
+from planner.connector import (
+    COUNTERS,
+    DECODE_RUNNING,
+    ConnectorError,
+    LoadSource,
+    Observation,
+    observation,
+)
 from planner.settings import PoolName
 
-# {w}: the interval as a range. Requests are counted at their first token (the router's TTFT
-# histogram), prompt tokens where they are prefilled, output tokens where they are streamed.
-QUERIES = {
-    "requests": "sum(increase(pdserve_router_ttft_seconds_count[{w}]))",
-    "ttft_sum_s": "sum(increase(pdserve_router_ttft_seconds_sum[{w}]))",
-    "itl_count": "sum(increase(pdserve_router_inter_token_latency_seconds_count[{w}]))",
-    "itl_sum_s": "sum(increase(pdserve_router_inter_token_latency_seconds_sum[{w}]))",
-    "prompt_tokens": "sum(increase(pdserve_prefill_prompt_tokens_total[{w}]))",
-    "output_tokens": "sum(increase(pdserve_decode_output_tokens_total[{w}]))",
-    "decode_batch_per_worker": "avg(pdserve_decode_running_requests)",
+# {w}: the interval as a range.
+QUERIES = {name: f"sum(increase({metric}[{{w}}]))" for name, metric in COUNTERS.items()} | {
+    "decode_batch_per_worker": f"avg({DECODE_RUNNING})"
 }
 # Each pool's load per pod, for choosing the pods a scale-down removes.
 POD_LOADS: dict[PoolName, str] = {
@@ -37,19 +37,9 @@ class PrometheusSource(LoadSource):
         self.client = client or httpx.Client(timeout=10.0)
 
     def observe(self) -> Observation:
-        """Per-request SLO attainment is not observed here: the histograms give TTFT and ITL
-        means and counts, not each request's pair."""
         window = f"{round(self.interval_s)}s"
-        v = {name: self._scalar(query.format(w=window)) for name, query in QUERIES.items()}
-        requests = round(v["requests"])
-        return Observation(
-            interval_s=self.interval_s, num_requests=requests,
-            prompt_tokens=v["prompt_tokens"] / requests if requests else 0.0,
-            output_tokens=v["output_tokens"] / requests if requests else 0.0,
-            ttft_s=v["ttft_sum_s"] / v["requests"] if v["requests"] else None,
-            itl_s=v["itl_sum_s"] / v["itl_count"] if v["itl_count"] else None,
-            decode_batch_per_worker=v["decode_batch_per_worker"],
-        )  # fmt: skip
+        return observation(self.interval_s, {name: self._scalar(query.format(w=window))
+                                             for name, query in QUERIES.items()})  # fmt: skip
 
     def pod_loads(self, pool: PoolName) -> dict[str, float]:
         return {s["metric"]["pod"]: float(s["value"][1]) for s in self._query(POD_LOADS[pool])

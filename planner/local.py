@@ -1,0 +1,121 @@
+"""The planner on a local cluster (`pdserve up --planner`): the load read from the routers' and
+the workers' own /metrics pages, the pools changed by starting workers and draining them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.launcher import LocalCluster
+from pdserve.registry import Registry, WorkerInfo
+from planner.connector import (
+    COUNTERS,
+    DECODE_RUNNING,
+    Connector,
+    ConnectorError,
+    LoadSource,
+    Observation,
+    observation,
+)
+from planner.planner import Planner
+from planner.profile import Profile
+from planner.settings import PlannerSettings, PoolName
+
+log = logging.getLogger("pdserve.planner")
+
+
+def scrape(url: str, names: set[str]) -> dict[str, float]:
+    """Each named metric's samples on a /metrics page, summed over their labels."""
+    try:
+        text = httpx.get(url, timeout=5.0).text
+    except httpx.HTTPError as e:
+        raise ConnectorError(f"{url}: {e}") from e
+    sums = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums
+
+
+class ScrapedSource(LoadSource):
+    """The counters' increases since the last observation, page by page: a process that
+    restarted (its counters back at 0) counts from 0, one that left counts no more."""
+
+    def __init__(self, cluster: LocalCluster, interval_s: float) -> None:
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self._last: dict[tuple[str, str], float] = {}  # (page, metric) -> value last read
+
+    def observe(self) -> Observation:
+        pages = [f"{router.http_url}/metrics" for router in self.cluster.routers]
+        workers = self._workers()
+        pages += [w.metrics_url for w in workers]
+        increases = dict.fromkeys(COUNTERS, 0.0)
+        running: list[float] = []
+        seen: dict[tuple[str, str], float] = {}
+        for page in pages:
+            values = scrape(page, {*COUNTERS.values(), DECODE_RUNNING})
+            for name, metric in COUNTERS.items():
+                now = seen[page, metric] = values[metric]
+                before = self._last.get((page, metric), 0.0)
+                increases[name] += now - before if now >= before else now
+            if any(page == w.metrics_url and w.role == "decode" for w in workers):
+                running.append(values[DECODE_RUNNING])
+        self._last = seen
+        increases["decode_batch_per_worker"] = sum(running) / len(running) if running else 0.0
+        return observation(self.interval_s, increases)
+
+    def _workers(self) -> list[WorkerInfo]:
+        registry = Registry(self.cluster.redis_url)
+        try:
+            return registry.workers("prefill") + registry.workers("decode")
+        except Exception as e:  # Redis restarting: this interval is skipped
+            raise ConnectorError(f"registry: {e}") from e
+
+
+class LocalConnector(Connector):
+    """Workers are started (LocalCluster.add_worker) or drained away (remove_worker), the
+    least loaded first: a prefill worker by its queued prompt tokens, a decode worker by its
+    running requests, as its registry entry reports them."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+
+    def replicas(self) -> dict[PoolName, int]:
+        return {pool: len(self.cluster.worker_names(pool)) for pool in ("prefill", "decode")}
+
+    def set_replicas(self, pool: PoolName, count: int) -> None:
+        names = self.cluster.worker_names(pool)
+        try:
+            for _ in range(count - len(names)):
+                log.info("planner: starting %s", self.cluster.add_worker(pool))
+        except RuntimeError as e:  # stopping
+            raise ConnectorError(str(e)) from e
+        for name in self._least_loaded(pool, names)[: max(0, len(names) - count)]:
+            log.info("planner: draining %s", name)
+            self.cluster.remove_worker(name)
+
+    def _least_loaded(self, pool: PoolName, names: list[str]) -> list[str]:
+        loads = {w.worker_id: w.load for w in Registry(self.cluster.redis_url).workers(pool)}
+
+        def load(name: str) -> tuple[float, str]:
+            reported = loads.get(name)
+            if reported is None:  # still starting: it holds nothing
+                return (-1.0, name)
+            busy = reported.queued_tokens if pool == "prefill" else reported.running_requests
+            return (float(busy), name)
+
+        return sorted(names, key=load)
+
+
+def start(cluster: LocalCluster, settings: PlannerSettings, profile: Profile) -> Planner:
+    """The planner loop on a daemon thread (it ends with the launcher)."""
+    source = ScrapedSource(cluster, settings.interval_s)
+    source.observe()  # the counters so far: the first interval counts from here
+    planner = Planner(settings, profile, source, LocalConnector(cluster))
+    threading.Thread(target=planner.run_forever, name="planner", daemon=True).start()
+    return planner
