@@ -20,6 +20,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 from bench.overload import new_client, poisson_arrivals
@@ -41,10 +42,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-workers", type=int, default=3)
     parser.add_argument("--quiet-rps", type=float, default=0.2)
     parser.add_argument("--quiet-s", type=float, default=45.0)
-    parser.add_argument("--busy-rps", type=float, default=1.5)
+    parser.add_argument("--busy-rps", type=float, default=0.5)
     parser.add_argument("--busy-prompt-tokens", type=int, default=512)
     parser.add_argument("--busy-s", type=float, default=120.0)
-    parser.add_argument("--after-s", type=float, default=120.0)
+    parser.add_argument("--after-s", type=float, default=150.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -140,6 +141,7 @@ def main() -> None:
     after_busy = None if asked_s is None else round(asked_s - busy_start_s, 1)
     result = {
         "requests": len(outcomes), "complete": len(complete),
+        "statuses": dict(Counter(str(o["status"]) for o in outcomes)),
         "failed_or_truncated": len(outcomes) - len(complete),
         "asked_for_prefill_s_after_busy": after_busy,
         "asked_within_intervals": None if after_busy is None
