@@ -59,7 +59,7 @@ EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: Kubernetes or the local launcher restarts 
 
 def registry_entry(
     engine: LLMEngine, stats: EngineStats, *, role: Role, worker_id: str, address: str,
-    metrics_url: str, kv_backend: str, peer_fetch: bool,
+    metrics_url: str, kv_backend: str, peer_fetch: bool, max_requests: int = 0,
 ) -> WorkerInfo:  # fmt: skip
     """What a heartbeat publishes: who and where the worker is, its engine's limits, and its
     load from stats (a snapshot the engine thread took, never the live scheduler)."""
@@ -75,7 +75,7 @@ def registry_entry(
             total_blocks=stats.num_blocks,
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
         ),
-        peer_fetch=peer_fetch,
+        peer_fetch=peer_fetch, max_requests=max_requests,
     )  # fmt: skip
 
 
@@ -180,6 +180,7 @@ class WorkerRuntime:
             worker_id=self.settings.worker_id, address=self.address,
             metrics_url=f"http://{host}:{self.metrics_port}/metrics",
             kv_backend=self.kv_agent.backend, peer_fetch=self.settings.peer_fetch,
+            max_requests=self.settings.max_concurrent_rpcs,
         )  # fmt: skip
 
     def _observe_step(self, seconds: float, batch_size: int) -> None:

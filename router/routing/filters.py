@@ -47,3 +47,14 @@ class KVFits:
 
     def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
         return ticket.num_kv_blocks <= worker.free_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSlots:
+    """The decode-side worker takes another request: under its limit of requests at once
+    (past it, it would refuse with RESOURCE_EXHAUSTED), counting the routers' own since its
+    heartbeat. A worker that states no limit always does."""
+
+    def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
+        limit = worker.info.max_requests
+        return limit <= 0 or worker.running_requests < limit

@@ -1,16 +1,16 @@
 """The named routing policies (PDSERVE_ROUTING_POLICY), each a prefill and a decode policy.
-All apply the same filters (context fits, prefill token budget, decode KV room, not a decode
-worker the request was lost on); they differ only in how they choose among the workers that
-pass. An aggregated worker is chosen with both sides' filters, prefill's scorers first.
-Given a prefix index, the watermark policy also weighs what each worker's prefix cache holds
-(RoutingSettings.prefix_*_weight)."""
+All apply the same filters (context fits, prefill token budget, decode KV room and request
+slots, not a decode worker the request was lost on); they differ only in how they choose among
+the workers that pass. An aggregated worker is chosen with both sides' filters, prefill's
+scorers first. Given a prefix index, the watermark policy also weighs what each worker's prefix
+cache holds (RoutingSettings.prefix_*_weight)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from router.prefix_index import PrefixIndex
-from router.routing.filters import ContextFits, KVFits, NotExcluded, PrefillBudget
+from router.routing.filters import ContextFits, KVFits, NotExcluded, PrefillBudget, RequestSlots
 from router.routing.framework import Filter, Policy, Scorer
 from router.routing.pickers import LowestCost, PrefixHash, RoundRobin
 from router.routing.scorers import KVSaved, KVUsage, PrefillSaved, RunningRequests, Watermark
@@ -30,7 +30,8 @@ def build_policies(
     # pass_through: no prefill budget and no KV room to wait for; the workers queue.
     passing = admission.mode == "pass_through"
     budget = () if passing else (PrefillBudget(admission.prefill_token_budget),)
-    kv_room = () if passing else (KVFits(),)
+    # A decode-side worker's room: KV for the request, and a request slot under its limit.
+    kv_room = () if passing else (KVFits(), RequestSlots())
     prefill_filters: tuple[Filter, ...] = (ContextFits(), *budget)
     decode_filters: tuple[Filter, ...] = (ContextFits(), NotExcluded(), *kv_room)
     aggregated_filters = (*prefill_filters, NotExcluded(), *kv_room)

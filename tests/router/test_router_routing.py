@@ -154,3 +154,20 @@ def test_the_pools_block_size_is_what_most_decode_side_workers_registered_with()
     pool.update("decode", [])
     pool.update("aggregated", [])
     assert pool.block_size == 16  # all gone: the default again
+
+
+def test_a_decode_worker_at_its_request_limit_is_not_chosen_until_one_ends():
+    infos = [replace(worker("decode", "a"), max_requests=2), worker("decode", "b")]
+    policies = build_policies(RoutingSettings("watermark"), AdmissionSettings())
+    pool = pool_of(*infos)
+    pool.ledgers["decode"].clock = lambda: 10.0  # after the heartbeats (updated_at 0)
+    held = [pool.assign("decode", "a", 1) for _ in range(2)]
+    choices = {policies.decode.choose(pool.views("decode"), ticket(f"r{i}", 16)).worker_id
+               for i in range(3)}  # fmt: skip
+    assert choices == {"b"}  # a's two slots are taken; b states no limit
+    pool.release("decode", held[0])
+    assert policies.decode.choose(pool.views("decode")[:1], ticket("r", 16)).worker_id == "a"
+    # pass_through, the plain-Service baseline, leaves the limit to the worker's refusal.
+    passing = build_policies(RoutingSettings("watermark"), AdmissionSettings(mode="pass_through"))
+    pool.assign("decode", "a", 1)
+    assert passing.decode.choose(pool.views("decode")[:1], ticket("r", 16)).worker_id == "a"
