@@ -63,6 +63,14 @@ def refusals(routers: list[RouterEndpoint]) -> float:
                for r in routers)  # fmt: skip
 
 
+def reason(outcome: dict) -> str:
+    """A refused request's error code, from its OpenAI-style body (what it says first)."""
+    try:
+        return str(json.loads(outcome.get("error", ""))["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return outcome.get("error", "")[:80]
+
+
 class QueuePeaks:
     """The highest pdserve_prefill_queued_tokens each prefill worker showed while running."""
 
@@ -106,6 +114,7 @@ def run_burst(cluster: LocalCluster, routers: list[RouterEndpoint], prompts: lis
         "routers": len(routers),
         "completed": sum(o["status"] == 200 and bool(o.get("done")) for o in outcomes),
         "statuses": dict(Counter(str(o["status"]) for o in outcomes)),
+        "rejections": dict(Counter(reason(o) for o in outcomes if o["status"] != 200)),
         "peak_queued_tokens": peaks.peaks,
         "bound_tokens": bound,
         "within_bound": all(peak <= bound for peak in peaks.peaks.values()),
