@@ -388,18 +388,25 @@ LOCAL_PLANNER_DEFAULTS = {"gpu_budget": max(3, os.cpu_count() or 1), "interval_s
                           "scale_down_cooldown_s": 60.0}  # fmt: skip
 
 
-def _local_planner() -> Callable[[Any], Any]:
-    """The planner for `up --planner`, checked before anything starts: its settings (a
-    ValueError names the bad one) and the workers' profile, from this machine's fitted step
-    costs (sim/local_cpu.json). Returns what starts it on the cluster."""
-    from planner import local
+def local_planner_settings() -> Any:
+    """`up --planner`'s PlannerSettings: PDSERVE_PLANNER_* variables, else the local defaults
+    (a ValueError names a bad one)."""
     from planner.settings import PlannerSettings
-    from sim.costs import LocalCoefficients, LocalCost
-    from sim.planner_study import profile_of
 
     defaults = {name: value for name, value in LOCAL_PLANNER_DEFAULTS.items()
                 if f"PDSERVE_PLANNER_{name.upper()}" not in os.environ}  # fmt: skip
-    settings = PlannerSettings(**defaults)
+    return PlannerSettings(**defaults)
+
+
+def _local_planner() -> Callable[[Any], Any]:
+    """The planner for `up --planner`, checked before anything starts: its settings and the
+    workers' profile, from this machine's fitted step costs (sim/local_cpu.json). Returns what
+    starts it on the cluster."""
+    from planner import local
+    from sim.costs import LocalCoefficients, LocalCost
+    from sim.planner_study import profile_of
+
+    settings = local_planner_settings()
     profile = profile_of(LocalCost(LocalCoefficients.load()), EngineConfig().chunk_size)
     return lambda cluster: local.start(cluster, settings, profile)
 

@@ -38,3 +38,22 @@ def test_invalid_settings_are_a_usage_error(monkeypatch):
     monkeypatch.setenv("PDSERVE_PLANNER_PREDICTOR", "arima")
     result = CliRunner().invoke(app, ["planner"])
     assert result.exit_code == 2 and "predictor" in result.output
+
+
+def test_up_planner_refuses_a_bad_setting_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("PDSERVE_PLANNER_INTERVAL_S", "-1")
+    result = CliRunner().invoke(app, ["up", "--planner", "--http-port", "0", "--grpc-port", "0"])
+    assert result.exit_code == 2
+    first_lines = "pdserve up: 1 validation error for PlannerSettings\ninterval_s\n"
+    assert result.output.startswith(first_lines)
+
+
+def test_up_planner_defaults_give_way_to_the_environment(monkeypatch):
+    from pdserve.cli import LOCAL_PLANNER_DEFAULTS, local_planner_settings
+
+    assert local_planner_settings().interval_s == LOCAL_PLANNER_DEFAULTS["interval_s"] == 20.0
+    monkeypatch.setenv("PDSERVE_PLANNER_INTERVAL_S", "7")
+    monkeypatch.setenv("PDSERVE_PLANNER_GPU_BUDGET", "5")
+    settings = local_planner_settings()
+    assert (settings.interval_s, settings.gpu_budget) == (7.0, 5)
+    assert settings.scale_down_cooldown_s == 60.0  # a local default still
