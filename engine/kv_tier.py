@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_pool import CacheEvent
 from engine.errors import InvalidRequestError
 from engine.kv_metrics import TIER_BLOCKS, TIER_BYTES, TIER_FAILED_LOADS, TIER_LOAD_SECONDS
 
@@ -110,7 +111,7 @@ class HostKVTier:
         self.stats = TierStats()
         # Host-tier changes, (stored, hash), taken like the pool's (take_cache_events).
         self.record_events = False
-        self._events: list[tuple[bool, bytes]] = []
+        self._events: list[CacheEvent] = []
         self._publish_occupancy()
 
     @property
@@ -171,7 +172,8 @@ class HostKVTier:
             self._drop(block_hash)
         return num_dropped
 
-    def take_events(self) -> list[tuple[bool, bytes]]:
+    def take_events(self) -> list[CacheEvent]:
+        """The tier's changes since the last call, oldest first."""
         events, self._events = self._events, []
         return events
 

@@ -221,3 +221,26 @@ def test_a_tier_smaller_than_one_block_is_refused():
     cache = torch.zeros(2, 1, 2, 16, 3, 64)  # 24,576 B a block
     with pytest.raises(InvalidRequestError, match=r"less than one KV block \(24576 bytes\)"):
         HostKVTier(cache, capacity_bytes=24_575, path=None)
+
+
+def test_a_block_leaving_the_pool_for_the_tier_is_one_event_in_each(tiered):
+    """What the worker publishes (pdserve/kv_events.py): evicted from the pool, stored in the
+    host tier, under the same hash; loaded back, stored in the pool again."""
+    engine = tiered.engine
+    engine.kv.reset_cache()
+    reference = tiered.generate([PROMPT], GREEDY)[0]
+    hashes = prompt_block_hashes(reference.prompt_token_ids, BLOCK_SIZE)
+    pool, tier = engine.pool, engine.tier
+    pool.record_events = tier.record_events = True
+    try:
+        evict_pool(tiered)
+        evicted = [h for stored, h in pool.take_cache_events() if not stored]
+        assert tier.take_events() == [(True, h) for h in evicted]
+        assert set(hashes) <= set(evicted)
+        tiered.generate([PROMPT], GREEDY)
+        stored = [h for is_stored, h in pool.take_cache_events() if is_stored]
+        assert stored[: len(hashes)] == list(hashes)  # loaded back in prompt order
+        assert tier.take_events() == []  # the tier keeps its copies: nothing left it
+    finally:
+        pool.record_events = tier.record_events = False
+    assert_idle_and_whole(tiered)
