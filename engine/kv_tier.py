@@ -5,6 +5,7 @@ the pool when a prompt's prefix hits them."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 import zlib
@@ -20,7 +21,8 @@ from engine.kv_metrics import TIER_BLOCKS, TIER_BYTES, TIER_FAILED_LOADS, TIER_L
 
 @dataclass(slots=True)
 class TierStats:
-    """What the tier did since it was made: the exact counts the metrics above sum over."""
+    """What the tier did since it was made: the exact counts behind its metrics
+    (engine/kv_metrics.py), for tests and benchmarks."""
 
     num_stored_blocks: int = 0
     num_loaded_blocks: int = 0
@@ -82,6 +84,20 @@ class _FileSlots:
         return True
 
 
+def _check_room(capacity_bytes: int, path: str | None) -> None:
+    """The tier fills as the pool evicts, so a size the host cannot hold would fail late (an
+    OOM kill, a full disk) and far from its cause: it is refused at start-up instead."""
+    if path is None:
+        room, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    else:
+        room, what = shutil.disk_usage(path).free, f"free space in {path}"
+    if capacity_bytes > room:
+        raise InvalidRequestError(
+            f"kv_offload_gb asks for {capacity_bytes / 2**30:.1f} GiB, more than the "
+            f"{room / 2**30:.1f} GiB of {what}"
+        )
+
+
 class HostKVTier:
     """Blocks are stored whole, in the pool's own format (int8 KV with its scales included), in
     fixed slots; a hash maps to its slot in LRU order. The tier is inclusive: a block loaded
@@ -99,6 +115,7 @@ class HostKVTier:
                 f"kv_offload_gb is {capacity_bytes / 2**30:.6g} GiB ({capacity_bytes} bytes), "
                 f"less than one KV block ({self.block_bytes} bytes)"
             )
+        _check_room(self.num_slots * self.block_bytes, path)
         self.path = path
         if path is None:
             self.slots: _MemorySlots | _FileSlots = _MemorySlots(

@@ -217,10 +217,18 @@ def test_offload_settings_are_checked(settings, message):
     assert message in str(raised.value)
 
 
-def test_a_tier_smaller_than_one_block_is_refused():
+@pytest.mark.parametrize(
+    ("capacity_bytes", "path", "message"),
+    [
+        (24_575, None, r"less than one KV block \(24576 bytes\)"),
+        (2**60, None, r"asks for 1073741824.0 GiB, more than the .* GiB of host memory"),
+        (2**60, "/tmp", r"asks for 1073741824.0 GiB, more than the .* GiB of free space in /tmp"),
+    ],
+)
+def test_a_tier_the_host_cannot_hold_is_refused(capacity_bytes, path, message):
     cache = torch.zeros(2, 1, 2, 16, 3, 64)  # 24,576 B a block
-    with pytest.raises(InvalidRequestError, match=r"less than one KV block \(24576 bytes\)"):
-        HostKVTier(cache, capacity_bytes=24_575, path=None)
+    with pytest.raises(InvalidRequestError, match=message):
+        HostKVTier(cache, capacity_bytes, path)
 
 
 def test_a_block_leaving_the_pool_for_the_tier_is_one_event_in_each(tiered):
