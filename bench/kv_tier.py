@@ -8,13 +8,16 @@ prompt; each turn appends a --user-tokens user message, and its --max-tokens gre
 back after all the others have been served: its KV has long left a pool sized for
 --pool-conversations conversations (--num-blocks, default: the shared system prompt plus that
 many conversations at their last turn). The tier (--kv-offload-gb, default: room for every
-conversation) is host memory. The modes are served round by round, alternating which goes
-first, so that load from other processes on a shared machine falls on both alike.
+conversation) is host memory. The two modes take turns step by step, each on a clock of its
+own that runs only while it steps, so load from other processes on a shared machine falls on
+both alike and neither's times count the other's steps.
 
 Per mode: prompt tokens, prefill tokens computed (prompt minus prefix hits), of the hits those
 loaded from the host tier, the oracle (prefill tokens if nothing were ever evicted: the bound
-for any tier), TTFT p50/p99 (enqueue to first token, engine clock), turns/s, and the tier's own
-counts (bytes each way, load seconds). The last line of stdout is JSON with the ratios tier /
+for any tier), TTFT p50/p99 (enqueue to first token, on the mode's clock), turns/s, the time
+of its steps (busy_s) and of those among them that carried a prompt chunk (prefill_step_s: the
+share a tier can shrink; decode-only steps it cannot), and the tier's own counts (bytes each
+way, load seconds). The last line of stdout is JSON with the ratios tier /
 no tier: prefill_tokens_ratio, ttft_p50_ratio, throughput_ratio, each with its target, and
 oracle_prefill_tokens_ratio. Run from the repository root: python -m bench.kv_tier [--quick].
 The full workload (128 conversations, a pool of 16) takes about an hour on 2 shared cores;
@@ -31,7 +34,9 @@ from collections import deque
 from typing import Any
 
 from bench.serve import percentile, word_ids
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.request import Request
 
 QUICK = {"conversations": 32, "pool_conversations": 4}
@@ -99,47 +104,75 @@ def workload(args: argparse.Namespace, words: list[int]) -> tuple[list[int], lis
 
 
 class Mode:
-    """One engine and its conversations so far; served a round at a time."""
+    """One engine and its conversations so far. Its clock runs only while it steps: the two
+    modes take turns step by step, so load from other processes on this shared machine falls
+    on both alike, and neither's times (TTFT included) count the other's steps."""
 
     def __init__(self, args, tier_gb: float, num_blocks: int, system: list[int]) -> None:
         self.args = args
-        self.llm = LLM(num_threads=args.threads, num_blocks=num_blocks, kv_offload_gb=tier_gb)
+        self.busy_s = 0.0  # the time of its steps so far
+        self._step_started: float | None = None
+        config = EngineConfig(num_threads=args.threads, num_blocks=num_blocks,
+                              kv_offload_gb=tier_gb)  # fmt: skip
+        self.engine = LLMEngine(config, clock=self.clock)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                      ignore_eos=True)  # fmt: skip
         # First-run costs (not measured): one prompt the workload never shares.
-        self.llm.generate([[7] * (args.system_tokens + args.user_tokens)], self.params)
-        self.llm.engine.kv.reset_cache()
+        self.engine.add_request("warm-up", [7] * (args.system_tokens + args.user_tokens),
+                                self.params)  # fmt: skip
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        self.engine.kv.reset_cache()
+        self.busy_s = 0.0
+        self.prefill_step_s = 0.0  # of busy_s, steps that carried a prompt chunk
         self.history = [list(system) for _ in range(args.conversations)]
         self.done: list[Request] = []
-        self.wall_s = 0.0
+        self.pending: deque[int] = deque()
+        self.in_flight: dict[int, Request] = {}
+        self.turn = 0
 
-    def serve_round(self, turn: int, users: list[list[list[int]]]) -> None:
-        """Every conversation's turn `turn`, --concurrency in flight at once."""
-        engine, started = self.llm.engine, time.monotonic()
-        pending = deque(range(len(users)))
-        in_flight: dict[int, Request] = {}
-        while pending or in_flight:
-            while pending and len(in_flight) < self.args.concurrency:
-                c = pending.popleft()
-                self.history[c].extend(users[c][turn])
-                in_flight[c] = engine.add_request(f"c{c}-t{turn}", list(self.history[c]),
-                                                  self.params)  # fmt: skip
-            engine.step()
-            for c, request in list(in_flight.items()):
-                if request.is_finished:
-                    self.history[c].extend(request.output_token_ids)
-                    self.done.append(request)
-                    del in_flight[c]
-        self.wall_s += time.monotonic() - started
+    def clock(self) -> float:
+        started = self._step_started
+        return self.busy_s + (time.monotonic() - started if started is not None else 0.0)
+
+    def start_round(self, turn: int) -> None:
+        """Every conversation's turn `turn` is next, --concurrency in flight at once."""
+        self.turn, self.pending = turn, deque(range(self.args.conversations))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.in_flight)
+
+    def advance(self, users: list[list[list[int]]]) -> None:
+        """Admits turns while there is room, then runs one engine step."""
+        while self.pending and len(self.in_flight) < self.args.concurrency:
+            c = self.pending.popleft()
+            self.history[c].extend(users[c][self.turn])
+            self.in_flight[c] = self.engine.add_request(
+                f"c{c}-t{self.turn}", list(self.history[c]), self.params
+            )
+        prefills = any(r.num_output_tokens == 0 for r in self.in_flight.values())
+        self._step_started = time.monotonic()
+        self.engine.step()
+        step_s = time.monotonic() - self._step_started
+        self._step_started = None
+        self.busy_s += step_s
+        self.prefill_step_s += step_s if prefills else 0.0
+        for c, request in list(self.in_flight.items()):
+            if request.is_finished:
+                self.history[c].extend(request.output_token_ids)
+                self.done.append(request)
+                del self.in_flight[c]
 
     def summary(self) -> dict[str, Any]:
-        engine, done = self.llm.engine, self.done
+        engine, done = self.engine, self.done
         engine.kv.check_integrity()
         ttfts = [r.first_token_time_s - r.arrival_time_s for r in done]
         num_prompt = sum(r.num_prompt_tokens for r in done)
         num_cached = sum(r.num_cached_tokens for r in done)
         summary = {
-            "turns": len(done), "wall_s": round(self.wall_s, 1),
+            "turns": len(done), "busy_s": round(self.busy_s, 1),
+            "prefill_step_s": round(self.prefill_step_s, 1),
             "num_blocks": engine.pool.num_blocks, "prompt_tokens": num_prompt,
             "prefill_tokens": num_prompt - num_cached,
             "oracle_prefill_tokens": oracle_prefill_tokens(done, self.args),
@@ -147,7 +180,7 @@ class Mode:
             "preemptions": sum(r.num_preemptions for r in done),
             "ttft_p50_s": round(percentile(ttfts, 50), 4),
             "ttft_p99_s": round(percentile(ttfts, 99), 4),
-            "turns_per_s": round(len(done) / self.wall_s, 4),
+            "turns_per_s": round(len(done) / self.busy_s, 4),
         }  # fmt: skip
         if engine.tier is not None:
             stats = engine.tier.stats
@@ -192,12 +225,13 @@ def main() -> None:
           f"tier {tier_gb:.2f} GiB", flush=True)  # fmt: skip
     modes = {"no_tier": Mode(args, 0.0, num_blocks, system),
              "tier": Mode(args, tier_gb, num_blocks, system)}  # fmt: skip
-    # Round by round, alternating which mode goes first: load from other processes on this
-    # shared machine then falls on both alike.
     for turn in range(args.turns):
-        order = list(modes.values())
-        for mode in order if turn % 2 == 0 else reversed(order):
-            mode.serve_round(turn, users)
+        for mode in modes.values():
+            mode.start_round(turn)
+        while any(mode.has_work for mode in modes.values()):
+            for mode in modes.values():
+                if mode.has_work:
+                    mode.advance(users)
     results = {name: mode.summary() for name, mode in modes.items()}
     for name, summary in results.items():
         print(name, json.dumps(summary), flush=True)
