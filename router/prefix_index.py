@@ -41,9 +41,9 @@ HOST_TOKEN_WORTH = 0.95
 class Choice:
     request_id: str
     prefill_worker: str
-    prefill_overlap_tokens: float  # prompt tokens its prefix cache holds: prefill not computed
+    prefill_overlap_tokens: int  # prompt tokens its prefix cache holds: prefill not computed
     decode_worker: str
-    decode_overlap_tokens: float  # prompt tokens of KV it holds: not sent, not allocated
+    decode_overlap_tokens: int  # prompt tokens of KV it holds: not sent, not allocated
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ class PrefixIndex:
     pool: _TierIndex = field(default_factory=_TierIndex)
     host: _TierIndex = field(default_factory=_TierIndex)
     _positions: dict[str, str] = field(default_factory=dict)  # last stream entry id read
-    _last_overlap: dict[str, float] = field(default_factory=dict)
+    _last_overlap: dict[str, int] = field(default_factory=dict)
     recent: deque[Choice] = field(default_factory=lambda: deque(maxlen=_RECENT_CHOICES))
 
     def apply(self, worker_id: str, entry_id: str, update: CacheUpdate) -> None:
@@ -122,11 +122,13 @@ class PrefixIndex:
         first = ticket.block_hashes[0]
         return self.pool.holders.get(first, set()) | self.host.holders.get(first, set())
 
-    def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> float:
+    def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> int:
         """The leading prompt tokens the worker's cache holds, a token in its host tier only
-        counted HOST_TOKEN_WORTH of one in its pool."""
+        counted HOST_TOKEN_WORTH of one in its pool, rounded to whole tokens (the router's
+        token accounting is in whole tokens; a host block's 15.2 rounds below a pool block's
+        16 at every length)."""
         if worker.block_size != ticket.block_size:
-            return 0.0
+            return 0
         pool = self.pool.cached.get(worker.worker_id, set())
         host = self.host.cached.get(worker.worker_id, set())
         num_pool = num_host = 0
@@ -137,9 +139,9 @@ class PrefixIndex:
                 num_host += 1
             else:
                 break
-        return (num_pool + HOST_TOKEN_WORTH * num_host) * ticket.block_size
+        return round((num_pool + HOST_TOKEN_WORTH * num_host) * ticket.block_size)
 
-    def prefill_prefix(self, worker: WorkerInfo, ticket: Ticket) -> tuple[float, float]:
+    def prefill_prefix(self, worker: WorkerInfo, ticket: Ticket) -> tuple[int, int]:
         """Prompt tokens a prefill worker need not compute: (its own cached prefix, the part
         past it it would read from the chosen decode worker, when it fetches)."""
         own = self.overlap_tokens(worker, ticket)
@@ -161,7 +163,7 @@ class PrefixIndex:
         self.recent.append(choice)
         return choice
 
-    def worker_json(self, worker_id: str) -> dict[str, float | None]:
+    def worker_json(self, worker_id: str) -> dict[str, int | None]:
         return {
             "cached_blocks": len(self.pool.cached.get(worker_id, ())),
             "host_cached_blocks": len(self.host.cached.get(worker_id, ())),

@@ -122,9 +122,10 @@ def test_a_host_tier_hit_scores_below_a_pool_hit_and_above_a_miss():
     index.apply("mixed", "1-0", CacheUpdate(True, HASHES[:10], host_stored=HASHES[:20]))
     workers = {w: worker("prefill", w, tokens_per_s=500) for w in ("pool", "host", "none")}
     overlaps = {w: index.overlap_tokens(info, prompt_ticket()) for w, info in workers.items()}
-    assert overlaps == {"pool": 320, "host": 320 * HOST_TOKEN_WORTH, "none": 0}
-    assert index.overlap_tokens(worker("prefill", "mixed"), prompt_ticket()) == 160 + 160 * (
-        HOST_TOKEN_WORTH
+    assert overlaps == {"pool": 320, "host": round(320 * HOST_TOKEN_WORTH), "none": 0}
+    assert round(320 * HOST_TOKEN_WORTH) == 304  # whole tokens, below the pool's 320
+    assert index.overlap_tokens(worker("prefill", "mixed"), prompt_ticket()) == round(
+        160 + 160 * HOST_TOKEN_WORTH
     )
     assert index.holders(prompt_ticket()) == {"pool", "host", "mixed"}
     policies = build_policies(RoutingSettings("watermark"), AdmissionSettings(), index)
