@@ -4,6 +4,7 @@ the pool when a prompt's prefix hits them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +18,8 @@ import torch
 from engine.block_pool import CacheEvent
 from engine.errors import InvalidRequestError
 from engine.kv_metrics import TIER_BLOCKS, TIER_BYTES, TIER_FAILED_LOADS, TIER_LOAD_SECONDS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -116,7 +119,6 @@ class HostKVTier:
                 f"less than one KV block ({self.block_bytes} bytes)"
             )
         _check_room(self.num_slots * self.block_bytes, path)
-        self.path = path
         if path is None:
             self.slots: _MemorySlots | _FileSlots = _MemorySlots(
                 self.num_slots, self.block_bytes, pinned=kv_cache.is_cuda
@@ -130,6 +132,9 @@ class HostKVTier:
         self.record_events = False
         self._events: list[CacheEvent] = []
         self._publish_occupancy()
+        where = "host memory" + (" (pinned)" if kv_cache.is_cuda else "") if path is None else path
+        log.info("host KV tier: %d blocks (%.2f GiB) in %s", self.num_slots,
+                 self.capacity_bytes / 2**30, where)  # fmt: skip
 
     @property
     def capacity_bytes(self) -> int:
