@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -42,6 +42,9 @@ class BlockPool:
         # Off unless someone takes the events (take_cache_events), or they would pile up.
         self.record_events = False
         self._events: list[CacheEvent] = []
+        # Called with (block_id, hash) for each cached block that allocation evicts, while its
+        # bytes are still whole: the KV cache manager sets it to copy them to the host tier.
+        self.write_back: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +67,8 @@ class BlockPool:
             block_id, _ = queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evicting a cached block
+                if self.write_back is not None:
+                    self.write_back(block_id, block.block_hash)
                 self._forget(block)
             block.ref_cnt = 1
             block_ids.append(block_id)

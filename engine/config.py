@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +133,13 @@ class EngineConfig:
     # "int8": the KV cache holds int8 values with one scale per token and head (engine/kv_quant.py,
     # a quarter of fp32's bytes); "auto" keeps it in dtype. Prefill and decode workers must agree.
     kv_cache_dtype: KVCacheDtype = "auto"
+    # The host KV tier under the pool (engine/kv_tier.py), in GiB; 0 (the default) turns it off:
+    # host memory is shared by everything on the host, and a default share could push a pod
+    # past its memory limit unseen. Full prefix blocks the pool evicts are kept there and
+    # loaded back on a prefix hit.
+    kv_offload_gb: float = 0.0
+    # A directory on local disk for the tier's file; None keeps the tier in host memory.
+    kv_offload_path: str | None = None
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -173,6 +182,26 @@ class EngineConfig:
             raise InvalidRequestError("block_size, num_blocks and max_num_seqs must be positive")
         if not 0.0 < self.watermark <= 1.0:
             raise InvalidRequestError(f"watermark must be in (0, 1], got {self.watermark}")
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        gb, path = self.kv_offload_gb, self.kv_offload_path
+        if not (isinstance(gb, int | float) and math.isfinite(gb) and gb >= 0):
+            raise InvalidRequestError(f"kv_offload_gb must be a number >= 0, got {gb!r}")
+        if gb > 0 and not self.enable_prefix_caching:
+            raise InvalidRequestError(
+                "kv_offload_gb needs prefix caching: the host tier keeps cached prefix blocks"
+            )
+        if path is not None and gb == 0:
+            raise InvalidRequestError(
+                f"kv_offload_path {path!r} is set but kv_offload_gb is 0: give the tier a size"
+            )
+        if path is not None and not os.path.isdir(path):
+            raise InvalidRequestError(f"kv_offload_path {path!r} is not an existing directory")
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        return int(self.kv_offload_gb * 2**30)
 
     @property
     def is_cuda(self) -> bool:

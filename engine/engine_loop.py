@@ -67,15 +67,18 @@ class EngineLoop:
     def __init__(
         self, engine: LLMEngine, on_step: Callable[[float, int], None] | None = None,
         on_death: Callable[[EngineDiedError], None] | None = None,
-        on_cache_events: Callable[[list[CacheEvent]], None] | None = None,
+        on_cache_events: Callable[[list[CacheEvent], list[CacheEvent]], None] | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
         self.on_step = on_step  # (step seconds, batch size) for the worker's metrics
         self.on_death = on_death
-        # The prefix-cache changes of each loop turn (commands and a step), in one batch; it
-        # must not block (the worker hands them to its publisher thread).
+        # The prefix-cache changes of each loop turn (commands and a step), in one batch: the
+        # pool's and the host tier's; it must not block (the worker hands them to its
+        # publisher thread).
         self.on_cache_events = on_cache_events
         engine.pool.record_events = on_cache_events is not None
+        if engine.tier is not None:
+            engine.tier.record_events = on_cache_events is not None
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = (
             queue.SimpleQueue()
         )
@@ -187,8 +190,13 @@ class EngineLoop:
                 item = None
 
     def _hand_over_cache_events(self) -> None:
-        if self.on_cache_events is not None and (events := self.engine.pool.take_cache_events()):
-            self.on_cache_events(events)
+        if self.on_cache_events is None:
+            return
+        events = self.engine.pool.take_cache_events()
+        tier = self.engine.tier
+        host_events = tier.take_events() if tier is not None else []
+        if events or host_events:
+            self.on_cache_events(events, host_events)
 
     def _end(self, error: EngineStoppedError) -> None:
         self._ended = error

@@ -1,21 +1,28 @@
-"""Per-request KV block tables on top of the block pool: prefix hits, slot allocation, freeing.
-Every change to a block's references goes through here; the pool only counts them."""
+"""Per-request KV block tables on top of the block pool (and its host tier, when there is one):
+prefix hits, slot allocation, freeing. Every change to a block's references goes through here;
+the pool only counts them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockPool
 from engine.errors import InsufficientKVError
+from engine.kv_metrics import TIER_LOOKUPS
 from engine.prefix_hash import extend_block_hashes, prompt_block_hashes
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.kv_tier import HostKVTier  # torch: built by the engine, only called here
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
     num_queried_tokens: int = 0
-    num_hit_tokens: int = 0
+    num_hit_tokens: int = 0  # from either tier
+    num_host_hit_tokens: int = 0  # of those, loaded from the host tier
 
     @property
     def hit_rate(self) -> float:
@@ -23,9 +30,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, tier: HostKVTier | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.tier = tier
+        if tier is not None:
+            pool.write_back = tier.store  # write-back on eviction: every full cached block
         self.stats = PrefixCacheStats()
         # In use, but by no request: a remote writer may still be writing into them (its fence
         # timed out), so they must not be handed out until it is known done or dead.
@@ -40,13 +50,43 @@ class KVCacheManager:
         assert not request.block_ids, "prefix matching is for a request without blocks"
         self._hash_full_blocks(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit_ids = self._cached_ids(request.block_hashes[:max_hit_blocks])
-        self.pool.touch(hit_ids)
+        hit_ids: list[int] = []
+        num_host_hits = 0
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            TIER_LOOKUPS.labels("pool", "miss" if block_id is None else "hit").inc()
+            if block_id is not None:
+                self.pool.touch([block_id])  # at once: loads below must not evict it
+            elif (block_id := self._load_from_tier(block_hash)) is not None:
+                num_host_hits += 1
+            else:
+                break
+            hit_ids.append(block_id)
         request.block_ids = hit_ids
         num_hit_tokens = len(hit_ids) * self.block_size
         self.stats.num_queried_tokens += request.num_tokens
         self.stats.num_hit_tokens += num_hit_tokens
+        self.stats.num_host_hit_tokens += num_host_hits * self.block_size
         return num_hit_tokens
+
+    def _load_from_tier(self, block_hash: bytes) -> int | None:
+        """A fresh pool block holding the host tier's copy of block_hash, cached under it and
+        referenced once; None when there is no tier, it lacks the block, the load fails, or the
+        pool has no free block (the block is computed instead)."""
+        if self.tier is None or block_hash not in self.tier or not self.pool.num_free_blocks:
+            if self.tier is not None:
+                TIER_LOOKUPS.labels("host", "miss").inc()
+            return None
+        # Allocating may evict a cached block into the tier, and that may push this very block
+        # out of a full tier: load() then says it is gone.
+        [block_id] = self.pool.allocate(1)
+        if not self.tier.load(block_hash, block_id):
+            TIER_LOOKUPS.labels("host", "miss").inc()
+            self.pool.free([block_id])
+            return None
+        TIER_LOOKUPS.labels("host", "hit").inc()
+        self.pool.cache(block_id, block_hash)
+        return block_id
 
     def cached_prefix(self, prompt_token_ids: list[int]) -> list[int]:
         """The cached blocks a prefix match of this prompt would hit (no reference taken)."""
@@ -95,6 +135,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
+
+    def reset_cache(self) -> int:
+        """Forgets every cached block not in use, in the pool and the host tier (e.g. after
+        warm-up or new weights); returns how many."""
+        num_dropped = self.pool.reset_cache()
+        return num_dropped + (self.tier.clear() if self.tier is not None else 0)
 
     def _hash_full_blocks(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
@@ -166,8 +212,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Raises with the numbers unless every block is free, in use or quarantined, exactly
         once: the pool's own bookkeeping, and each quarantined block held by the quarantine
-        alone."""
+        alone; and unless every host-tier slot is free or holds one block."""
         self.pool.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity()
         ref_counts = [self.pool.blocks[i].ref_cnt for i in self.quarantined]
         problems = []
         if num_free := ref_counts.count(0):

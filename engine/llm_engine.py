@@ -18,6 +18,7 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_tier import HostKVTier
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import SAMPLE_MARK, FinishReason, Request, StepOutput, TokenLogprobs, sample_ids
@@ -40,7 +41,7 @@ class EngineStats:
     num_free_blocks: int
     num_blocks: int
     num_quarantined_blocks: int
-    prefix_hit_rate: float
+    prefix_hit_rate: float  # prompt tokens served by either KV tier / prompt tokens
     prefill_tokens_per_s: float
 
 
@@ -65,7 +66,12 @@ class LLMEngine:
         assert model_config is not None and tokenizer is not None, "a runner needs both"
         self.model_config, self.tokenizer, self.runner = model_config, tokenizer, runner
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.tier = (
+            HostKVTier(runner.kv_cache, config.kv_offload_bytes, config.kv_offload_path)
+            if config.kv_offload_gb > 0
+            else None
+        )
+        self.kv = KVCacheManager(self.pool, config.block_size, self.tier)
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(tokenizer, model_config.vocab_size)

@@ -178,6 +178,12 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("kv_cache_dtype", "PDSERVE_KV_CACHE_DTYPE",
                "auto (the model's dtype) | int8 (per-token scales; prefill and decode must agree).",
                EngineConfig),
+        Option("kv_offload_gb", "PDSERVE_KV_OFFLOAD_GB",
+               "Host KV tier in GiB: prefix blocks the pool evicts are kept there and loaded "
+               "back on a hit; 0 = off.", EngineConfig),
+        Option("kv_offload_path", "PDSERVE_KV_OFFLOAD_PATH",
+               "A local directory for the host tier's file; empty = host memory.",
+               own_default=""),
         Option("peer_fetch", "PDSERVE_PEER_FETCH",
                "Prefix reuse across workers: decode lets prefill read the prompt prefix it holds; "
                "prefill reads it instead of computing it when the transfer is faster.",
@@ -203,7 +209,10 @@ DECODE_OPTIONS = (
 def _worker_settings(
     role: str, options: Sequence[Option], values: dict[str, Any]
 ) -> WorkerSettings:
-    engine = _settings_of(EngineConfig, options, values, num_threads=values["threads"] or None)
+    engine = _settings_of(
+        EngineConfig, options, values, num_threads=values["threads"] or None,
+        kv_offload_path=values["kv_offload_path"] or None,
+    )  # fmt: skip
     return _settings_of(
         WorkerSettings, options, values, role=role, redis_url=values["redis_url"],
         worker_id=values["worker_id"] or f"{role}-{socket.gethostname()}-{os.getpid()}",

@@ -1,11 +1,12 @@
 """Prefix-cache events in Redis: each worker publishes which block hashes its prefix cache
 gained and lost to a bounded stream of its own; routers read the streams to know what every
-worker has cached (router/prefix_index.py).
+worker has cached (router/prefix_index.py). The KV pool's changes and its host tier's
+(engine/kv_tier.py) travel side by side, each tier's hashes in fields of its own.
 
 An entry is a delta (hashes stored, hashes evicted, since the previous entry) or a snapshot
-(every hash cached now; it replaces what came before). A worker writes a snapshot first and
-then after every SNAPSHOT_EVERY deltas, so the last MAX_ENTRIES entries, all the stream keeps,
-always rebuild the whole cache.
+(every hash cached now, in each tier; it replaces what came before). A worker writes a
+snapshot first and then after every SNAPSHOT_EVERY deltas, so the last MAX_ENTRIES entries,
+all the stream keeps, always rebuild the whole cache.
 
 Entries are numbered (`seq`, one more per entry, snapshots included), so a reader that finds a
 number missing (entries trimmed before it read them, or lost with a Redis restart) knows its
@@ -19,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import redis
@@ -39,13 +40,21 @@ def stream_key(worker_id: str) -> str:
     return f"{STREAM_PREFIX}:{worker_id}"
 
 
+# A change to one tier, as the engine reports it (engine/block_pool.py, engine/kv_tier.py):
+# (True, hash) stored, (False, hash) evicted.
+CacheEvent = tuple[bool, bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class CacheUpdate:
-    """One stream entry, decoded."""
+    """One stream entry, decoded. A block the pool evicts into the host tier is one hash in
+    `evicted` and the same in `host_stored`."""
 
     is_snapshot: bool
     stored: tuple[bytes, ...]
     evicted: tuple[bytes, ...] = ()
+    host_stored: tuple[bytes, ...] = ()
+    host_evicted: tuple[bytes, ...] = ()
     seq: int | None = None  # None: unnumbered (read only, from an older worker)
 
     def fields(self) -> dict[str, bytes]:
@@ -53,22 +62,27 @@ class CacheUpdate:
             "kind": b"snapshot" if self.is_snapshot else b"delta",
             "stored": b"".join(self.stored),
             "evicted": b"".join(self.evicted),
+            "host_stored": b"".join(self.host_stored),
+            "host_evicted": b"".join(self.host_evicted),
         }
         return fields if self.seq is None else fields | {"seq": str(self.seq).encode()}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> CacheUpdate:
+        # A worker without a host tier, or from before there was one, writes no host fields.
         seq = fields.get(b"seq")
         return cls(
             fields.get(b"kind") == b"snapshot",
-            _split(fields.get(b"stored", b"")),
-            _split(fields.get(b"evicted", b"")),
-            None if seq is None else int(seq),
+            *(_split(fields.get(name, b"")) for name in _HASH_FIELDS),
+            seq=None if seq is None else int(seq),
         )
 
     @property
     def num_events(self) -> int:
-        return len(self.stored) + len(self.evicted)
+        return sum(map(len, (self.stored, self.evicted, self.host_stored, self.host_evicted)))
+
+
+_HASH_FIELDS = (b"stored", b"evicted", b"host_stored", b"host_evicted")
 
 
 def _split(joined: bytes) -> tuple[bytes, ...]:
@@ -76,17 +90,17 @@ def _split(joined: bytes) -> tuple[bytes, ...]:
 
 
 @dataclass(slots=True)
-class CacheMirror:
-    """The worker's cache as events report it, and what the stream has been told: a delta
-    holds only the difference, so a hash stored and evicted between two entries costs
-    nothing, and a failed write is simply retried with the next one (the pending set is
-    bounded by the cache's own size)."""
+class TierMirror:
+    """One tier as events report it, and what the stream has been told: a delta holds only
+    the difference, so a hash stored and evicted between two entries costs nothing, and a
+    failed write is simply retried with the next one (the pending set is bounded by the
+    tier's own size)."""
 
     cached: set[bytes] = field(default_factory=set)
     published: set[bytes] = field(default_factory=set)
     dirty: set[bytes] = field(default_factory=set)  # may differ between the two
 
-    def apply(self, events: Iterable[tuple[bool, bytes]]) -> None:
+    def apply(self, events: Iterable[CacheEvent]) -> None:
         for stored, block_hash in events:
             if stored:
                 self.cached.add(block_hash)
@@ -94,21 +108,46 @@ class CacheMirror:
                 self.cached.discard(block_hash)
             self.dirty.add(block_hash)
 
-    def delta(self) -> CacheUpdate:
+    def delta(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """(stored, evicted) since the last publication."""
         stored = tuple(h for h in self.dirty if h in self.cached and h not in self.published)
         evicted = tuple(h for h in self.dirty if h in self.published and h not in self.cached)
-        return CacheUpdate(False, stored, evicted)
+        return stored, evicted
 
-    def snapshot(self) -> CacheUpdate:
-        return CacheUpdate(True, tuple(self.cached))
-
-    def mark_published(self, update: CacheUpdate) -> None:
-        if update.is_snapshot:
+    def mark_published(
+        self, is_snapshot: bool, stored: tuple[bytes, ...], evicted: tuple[bytes, ...]
+    ) -> None:
+        if is_snapshot:
             self.published = set(self.cached)
         else:
-            self.published.difference_update(update.evicted)
-            self.published.update(update.stored)
+            self.published.difference_update(evicted)
+            self.published.update(stored)
         self.dirty.clear()
+
+
+@dataclass(slots=True)
+class CacheMirror:
+    """The worker's KV pool and host tier, each followed by its own TierMirror."""
+
+    pool: TierMirror = field(default_factory=TierMirror)
+    host: TierMirror = field(default_factory=TierMirror)
+
+    def apply(self, events: Iterable[CacheEvent], host_events: Iterable[CacheEvent] = ()) -> None:
+        self.pool.apply(events)
+        self.host.apply(host_events)
+
+    def delta(self) -> CacheUpdate:
+        return CacheUpdate(False, *self.pool.delta(), *self.host.delta())
+
+    def snapshot(self) -> CacheUpdate:
+        return CacheUpdate(True, tuple(self.pool.cached), host_stored=tuple(self.host.cached))
+
+    def mark_published(self, update: CacheUpdate) -> None:
+        self.pool.mark_published(update.is_snapshot, update.stored, update.evicted)
+        self.host.mark_published(update.is_snapshot, update.host_stored, update.host_evicted)
+
+
+Changes = tuple[Sequence[CacheEvent], Sequence[CacheEvent]]
 
 
 class CacheEventPublisher:
@@ -126,7 +165,8 @@ class CacheEventPublisher:
         self.mirror = CacheMirror()
         self.num_entries = 0  # written since the last snapshot
         self.seq = 0  # the next entry's number
-        self._inbox: queue.SimpleQueue[list[tuple[bool, bytes]] | None] = queue.SimpleQueue()
+        # Each item: one loop turn's (pool events, host-tier events); None ends the thread.
+        self._inbox: queue.SimpleQueue[Changes | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
     def start(self) -> CacheEventPublisher:
@@ -141,8 +181,8 @@ class CacheEventPublisher:
         self._thread.start()
         return self
 
-    def submit(self, events: list[tuple[bool, bytes]]) -> None:
-        self._inbox.put(events)
+    def submit(self, events: Sequence[CacheEvent], host_events: Sequence[CacheEvent] = ()) -> None:
+        self._inbox.put((events, host_events))
 
     def stop(self) -> None:
         """Stops publishing and deletes the stream (the worker is leaving)."""
@@ -159,9 +199,9 @@ class CacheEventPublisher:
             try:
                 batch = self._inbox.get(timeout=self.idle_s)
             except queue.Empty:
-                batch = []
+                batch = ([], [])
             while batch is not None:
-                self.mirror.apply(batch)
+                self.mirror.apply(*batch)
                 try:
                     batch = self._inbox.get_nowait()
                 except queue.Empty:

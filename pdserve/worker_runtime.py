@@ -162,7 +162,7 @@ class WorkerRuntime:
             engine.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=3, temperature=0))
         while engine.has_unfinished_requests():
             engine.step()
-        engine.pool.reset_cache()  # warm-up prompts must not occupy the prefix cache
+        engine.kv.reset_cache()  # warm-up prompts must not occupy the prefix cache or its tier
         log.info("warm-up over %s-token prompts took %.1f s", lengths,
                  time.perf_counter() - started)  # fmt: skip
 

@@ -37,6 +37,7 @@ WORKER_ENV = {
     "--max-num-seqs": "PDSERVE_MAX_NUM_SEQS", "--device": "PDSERVE_DEVICE",
     "--cuda-graphs": "PDSERVE_CUDA_GRAPHS", "--attention-backend": "PDSERVE_ATTENTION_BACKEND",
     "--quantization": "PDSERVE_QUANTIZATION", "--kv-cache-dtype": "PDSERVE_KV_CACHE_DTYPE",
+    "--kv-offload-gb": "PDSERVE_KV_OFFLOAD_GB", "--kv-offload-path": "PDSERVE_KV_OFFLOAD_PATH",
     "--peer-fetch": "PDSERVE_PEER_FETCH", "--log-level": "PDSERVE_LOG_LEVEL",
     "--short-below": "PDSERVE_SHORT_BELOW", "--long-above": "PDSERVE_LONG_ABOVE",
 }  # fmt: skip

@@ -41,6 +41,23 @@ def test_a_delta_carries_only_what_changed_since_the_last_entry():
     assert mirror.delta() == CacheUpdate(False, (), (h(3),))
 
 
+def test_each_tier_has_its_own_hashes_in_a_delta_and_a_snapshot():
+    """A block the pool evicts into its host tier: evicted from one, stored in the other."""
+    mirror = CacheMirror()
+    mirror.apply([(True, h(1)), (True, h(2))])
+    mirror.mark_published(mirror.delta())
+    mirror.apply([(False, h(1))], [(True, h(1))])
+    update = mirror.delta()
+    assert update == CacheUpdate(False, (), (h(1),), (h(1),), ())
+    assert CacheUpdate.from_fields({k.encode(): v for k, v in update.fields().items()}) == update
+    mirror.mark_published(update)
+    assert mirror.snapshot() == CacheUpdate(True, (h(2),), host_stored=(h(1),))
+    # An entry from a worker without a host tier has no host fields at all.
+    assert CacheUpdate.from_fields({b"kind": b"delta", b"stored": h(3)}) == CacheUpdate(
+        False, (h(3),)
+    )
+
+
 def test_the_stream_starts_with_a_snapshot_and_batches_a_step_into_one_entry(redis_url):
     client = redis.Redis.from_url(redis_url)
     client.xadd(stream_key("w-restarted"), CacheUpdate(True, (h(7),)).fields())

@@ -248,6 +248,7 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "PDSERVE_ATTENTION_BACKEND": "auto",
         "PDSERVE_QUANTIZATION": "auto",
         "PDSERVE_KV_CACHE_DTYPE": "auto",
+        "PDSERVE_KV_OFFLOAD_GB": "0",
         "PDSERVE_KV_BACKEND": "auto",
         "PDSERVE_PEER_FETCH": "true",
         "PDSERVE_CHUNK_SIZE": "1024",

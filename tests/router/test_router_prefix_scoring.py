@@ -10,7 +10,7 @@ from router_harness import pool_of, ticket, with_load, worker
 
 from engine.prefix_hash import prompt_block_hashes
 from pdserve.kv_events import CacheUpdate
-from router.prefix_index import Choice, PrefixIndex
+from router.prefix_index import HOST_TOKEN_WORTH, Choice, PrefixIndex
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 
@@ -104,10 +104,38 @@ def test_overlap_counts_only_the_leading_cached_blocks_and_is_recorded():
     p, d = worker("prefill", "p"), worker("decode", "d")
     choice = index.record(prompt_ticket(), p, d)
     assert choice == Choice("r", "p", 5 * 16, "d", 10 * 16)
-    assert index.worker_json("p") == {"cached_blocks": 23, "last_overlap_tokens": 80}
+    assert index.worker_json("p") == {
+        "cached_blocks": 23, "host_cached_blocks": 0, "last_overlap_tokens": 80,
+    }  # fmt: skip
     assert index.recent_json()[-1]["decode_overlap_tokens"] == 160
     index.retain({"d"})
-    assert index.worker_json("p") == {"cached_blocks": 0, "last_overlap_tokens": None}
+    assert index.worker_json("p") == {
+        "cached_blocks": 0, "host_cached_blocks": 0, "last_overlap_tokens": None,
+    }  # fmt: skip
+
+
+def test_a_host_tier_hit_scores_below_a_pool_hit_and_above_a_miss():
+    """pool holds the prefix in its pool, host the same in its host tier (the pool evicted it
+    there), none nothing; all equally loaded."""
+    index = index_with({"pool": 20})
+    index.apply("host", "1-0", CacheUpdate(True, (), host_stored=HASHES[:20]))
+    index.apply("mixed", "1-0", CacheUpdate(True, HASHES[:10], host_stored=HASHES[:20]))
+    workers = {w: worker("prefill", w, tokens_per_s=500) for w in ("pool", "host", "none")}
+    overlaps = {w: index.overlap_tokens(info, prompt_ticket()) for w, info in workers.items()}
+    assert overlaps == {"pool": 320, "host": round(320 * HOST_TOKEN_WORTH), "none": 0}
+    assert round(320 * HOST_TOKEN_WORTH) == 304  # whole tokens, below the pool's 320
+    assert index.overlap_tokens(worker("prefill", "mixed"), prompt_ticket()) == round(
+        160 + 160 * HOST_TOKEN_WORTH
+    )
+    assert index.holders(prompt_ticket()) == {"pool", "host", "mixed"}
+    policies = build_policies(RoutingSettings("watermark"), AdmissionSettings(), index)
+    choose = policies.prefill.choose
+    assert choose(pool_of(*workers.values()).views("prefill"), prompt_ticket()).worker_id == "pool"
+    without_pool = pool_of(workers["host"], workers["none"]).views("prefill")
+    assert choose(without_pool, prompt_ticket()).worker_id == "host"
+    # Leaving the host tier is an eviction there: the block no longer counts.
+    index.apply("host", "2-0", CacheUpdate(False, (), host_evicted=(HASHES[0],)))
+    assert index.overlap_tokens(workers["host"], prompt_ticket()) == 0
 
 
 def test_negative_weights_are_refused():
