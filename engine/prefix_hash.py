@@ -5,7 +5,8 @@ torch-free, so the two can never disagree."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -44,3 +45,42 @@ def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> tup
     hashes: list[bytes] = []
     extend_block_hashes(hashes, prompt_token_ids[: len(prompt_token_ids) - 1], block_size)
     return tuple(hashes)
+
+
+class PromptBlockHashes(Sequence[bytes]):
+    """prompt_block_hashes(prompt, block_size), each hash computed when first read. The router
+    reads a prompt's first block hash for every request (which workers hold it), and the
+    hashes after it only while some worker holds the blocks before: a prompt no cache holds
+    costs one hash, not one per block."""
+
+    __slots__ = ("_prompt", "_block_size", "_hashes", "_len")
+
+    def __init__(self, prompt_token_ids: Sequence[int], block_size: int) -> None:
+        self._prompt = prompt_token_ids
+        self._block_size = block_size
+        self._hashes: list[bytes] = []
+        self._len = max(0, len(prompt_token_ids) - 1) // block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        index = i + self._len if i < 0 else i
+        if not 0 <= index < self._len:
+            raise IndexError(i)
+        if index >= len(self._hashes):
+            # Twice what is held, at least: a long walk hashes in a few numpy conversions.
+            upto = min(self._len, max(index + 1, 2 * len(self._hashes)))
+            extend_block_hashes(self._hashes, self._prompt[: upto * self._block_size],
+                                self._block_size)  # fmt: skip
+        return self._hashes[index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._len):
+            yield self[i]

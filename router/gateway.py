@@ -17,7 +17,7 @@ import grpc
 from engine import SamplingParams
 from engine import errors as engine_errors
 from engine.chat_template import ChatTemplate, ChatTemplateError
-from engine.prefix_hash import prompt_block_hashes
+from engine.prefix_hash import PromptBlockHashes
 from engine.tokenizer import TextTokenizer
 from pdserve import grpc_convert
 from pdserve.v1 import generation_pb2 as pb
@@ -180,7 +180,7 @@ class Gateway:
             affinity_key=affinity_key(prompt_token_ids),
             block_size=block_size,
             excluded_decode_ids=excluded_decode_ids,
-            block_hashes=prompt_block_hashes(prompt_token_ids, block_size),
+            block_hashes=PromptBlockHashes(prompt_token_ids, block_size),
             num_seqs=num_seqs,
         )
 

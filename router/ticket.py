@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.lengths import LengthBucket
@@ -24,8 +25,9 @@ class Ticket:
     block_size: int  # the workers' KV block size, which num_kv_blocks and block_hashes use
     # Decode workers this request was lost on (migration): never routed there again.
     excluded_decode_ids: frozenset[str] = frozenset()
-    # The prompt's chained block hashes (engine.prefix_hash), for the prefix scorers.
-    block_hashes: tuple[bytes, ...] = ()
+    # The prompt's chained block hashes (engine.prefix_hash), for the prefix scorers: a
+    # PromptBlockHashes, hashed as far as they are read.
+    block_hashes: Sequence[bytes] = ()
     num_seqs: int = 1  # sequences in the decode batch: the request's n samples
     # Leading prompt tokens the chosen decode worker holds and lets a prefill worker read
     # (peer fetch): set once the decode worker is chosen, before the prefill worker is.

@@ -6,7 +6,12 @@ import pytest
 
 from engine.block_pool import BlockPool, NoFreeBlocksError
 from engine.kv_cache_manager import KVCacheManager
-from engine.prefix_hash import extend_block_hashes, hash_block, prompt_block_hashes
+from engine.prefix_hash import (
+    PromptBlockHashes,
+    extend_block_hashes,
+    hash_block,
+    prompt_block_hashes,
+)
 
 
 def cached_pool(num_blocks: int, cached_ids: list[int]) -> BlockPool:
@@ -124,3 +129,15 @@ def test_blocks_a_peer_filled_are_found_by_the_prefix_match_after_our_own():
     assert kv.cached_prefix(prompt) == [0, 1, 2]
     kv.pool.free(filled)
     kv.pool.check_integrity()
+
+
+def test_prompt_block_hashes_read_lazily_equal_the_eager_ones():
+    prompt = list(range(1000, 1000 + 16 * 9 + 5))
+    eager = prompt_block_hashes(prompt, 16)
+    lazy = PromptBlockHashes(prompt, 16)
+    assert len(lazy) == len(eager) == 9
+    assert lazy[0] == eager[0] and lazy._hashes == [eager[0]]  # one read, one hash
+    assert lazy[-1] == eager[-1] and tuple(lazy) == eager and lazy[2:4] == eager[2:4]
+    assert list(PromptBlockHashes(prompt[:16], 16)) == []  # a lone block ends at the last token
+    with pytest.raises(IndexError):
+        lazy[9]
