@@ -282,3 +282,17 @@ def test_a_request_with_n_samples_holds_n_sequences_on_its_decode_worker():
         assert (decode.running_requests, decode.free_blocks) == (0, 1024)
 
     asyncio.run(scenario())
+
+
+def test_the_tail_margins_percentile_is_statistics_quantiles_to_the_last_bit():
+    import random
+    import statistics
+
+    from router.admission.ttft_error import percentile
+
+    rng = random.Random(0)
+    for n in (2, 3, 10, 57, 100):
+        values = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
+        cut_points = statistics.quantiles(values, n=100, method="inclusive")
+        for q in (1, 50, 99):
+            assert percentile(values, q) == cut_points[q - 1]
