@@ -46,8 +46,6 @@ class PrefixScorer(Protocol):
         ...
 
 
-# Workers a walk (Policy._walked_cheapest) looks at before it scores every candidate instead.
-MAX_WALK = 64
 # A walk's keys leave out KV use's request-dependent part, a shift it adds back to bound the
 # costs ahead; both are float sums whose rounding is a few ulps (~1e-16 of the values), so a
 # margin of 1e-9 of them keeps the bound below every cost ahead.
@@ -148,8 +146,10 @@ class Policy:
         in order of the cost less KV use's request-dependent part, which is the same shift for
         all of them, so the walk stops once the next key plus the shift is over the best cost
         found; once one is the best, the rest with its own cost and free blocks (higher ids)
-        are skipped. None: no candidate; False: not found within MAX_WALK workers (or the
-        workers' KV sizes differ), score them all."""
+        are skipped. The walk reads no further than a scan of every candidate would, and
+        usually a few workers (it once gave up after 64 and scored every candidate instead:
+        that fallback was most of the router's growth with the worker count). None: no
+        candidate; False: the workers' KV sizes differ, score them all."""
         if not workers.one_kv_size():
             return False
         if not self._may_fit(workers, ticket):
@@ -159,11 +159,8 @@ class Policy:
         ranking = workers.index(self, self._new_ranking)
         keys = ranking.ordered()
         best: tuple[float, str] | None = None
-        i = num_read = 0
+        i = 0
         while i < len(keys):
-            if num_read == MAX_WALK:
-                return False
-            num_read += 1
             key, own, fewer_free, worker_id = keys[i]
             bound = key + shift
             if best is not None and bound - WALK_MARGIN * (1.0 + abs(bound)) > best[0]:
