@@ -1,8 +1,8 @@
 """What the router adds to a request's latency: the same streams through the router's public
 gRPC API and straight to the decode worker's gRPC (naming the prefill worker, as the router
 does), on one local cluster as `pdserve up` starts it (Redis, 1 prefill + 1 decode worker, the
-router; the decode worker's request limit raised to --streams + 16, as the direct requests
-bypass the router's count of it).
+router; the decode worker's request limit and max_num_seqs raised to --streams + 16, as the
+direct requests bypass the router's count of them).
 
 A loaded pass sends --streams concurrent streaming requests, every other one through the
 router and the rest straight to the decode worker, so both paths share the same batches; each
@@ -166,10 +166,12 @@ async def measure(args: argparse.Namespace, addresses: tuple[str, str, str],
 def main() -> None:
     args = parse_args()
     words = word_ids(TextTokenizer.load(resolve_model("smollm2-135m")))
-    # The direct half goes around the router's accounting of the decode worker's request
-    # limit: the limit is raised so both halves fit and neither is refused for the other.
+    # The direct half goes around the router's count of what the decode worker takes at once
+    # (its RPC limit and max_num_seqs): both are raised so both halves fit and neither path is
+    # refused for the other's requests.
+    room = str(args.streams + 16)
     spec = ClusterSpec(http_port=0, grpc_port=0, num_cores=args.cores,
-                       worker_args=("--max-concurrent-rpcs", str(args.streams + 16)))  # fmt: skip
+                       worker_args=("--max-concurrent-rpcs", room, "--max-num-seqs", room))  # fmt: skip
     cluster = LocalCluster(spec).start()
     try:
         assert cluster.router is not None

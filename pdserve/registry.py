@@ -46,8 +46,9 @@ class WorkerInfo:
     # Cross-worker prefix reuse (WorkerSettings.peer_fetch): a prefill worker reads the prefix
     # its decode worker holds, a decode worker lets it; False in an older worker's entry.
     peer_fetch: bool = False
-    # Requests it takes at once (its --max-concurrent-rpcs; past it, RESOURCE_EXHAUSTED): the
-    # router holds the rest in its queue. 0: no limit known (an older worker's entry).
+    # Requests (sequences, for n > 1) it takes at once before refusing with RESOURCE_EXHAUSTED:
+    # its --max-concurrent-rpcs, and for a decode worker its engine's max_num_seqs. The router
+    # holds the rest in its queue. 0: no limit known (an older worker's entry).
     max_requests: int = 0
     updated_at: float = 0.0
     ttl_s: float = 0.0  # the entry's TTL when published: it is gone after updated_at + ttl_s

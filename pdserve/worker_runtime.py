@@ -59,10 +59,13 @@ EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: Kubernetes or the local launcher restarts 
 
 def registry_entry(
     engine: LLMEngine, stats: EngineStats, *, role: Role, worker_id: str, address: str,
-    metrics_url: str, kv_backend: str, peer_fetch: bool, max_requests: int = 0,
+    metrics_url: str, kv_backend: str, peer_fetch: bool, max_concurrent_rpcs: int = 0,
 ) -> WorkerInfo:  # fmt: skip
     """What a heartbeat publishes: who and where the worker is, its engine's limits, and its
     load from stats (a snapshot the engine thread took, never the live scheduler)."""
+    # What it takes at once before refusing: its RPC limit (0: none known), and a decode worker
+    # also refuses a remote prefill past max_num_seqs sequences (reserve_for_remote_prefill).
+    limits = (max_concurrent_rpcs, engine.config.max_num_seqs if role == "decode" else 0)
     return WorkerInfo(
         role=role, worker_id=worker_id, address=address, metrics_url=metrics_url,
         kv_backend=kv_backend, max_model_len=engine.max_model_len,
@@ -75,7 +78,7 @@ def registry_entry(
             total_blocks=stats.num_blocks,
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
         ),
-        peer_fetch=peer_fetch, max_requests=max_requests,
+        peer_fetch=peer_fetch, max_requests=min((n for n in limits if n > 0), default=0),
     )  # fmt: skip
 
 
@@ -180,7 +183,7 @@ class WorkerRuntime:
             worker_id=self.settings.worker_id, address=self.address,
             metrics_url=f"http://{host}:{self.metrics_port}/metrics",
             kv_backend=self.kv_agent.backend, peer_fetch=self.settings.peer_fetch,
-            max_requests=self.settings.max_concurrent_rpcs,
+            max_concurrent_rpcs=self.settings.max_concurrent_rpcs,
         )  # fmt: skip
 
     def _observe_step(self, seconds: float, batch_size: int) -> None:

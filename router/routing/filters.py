@@ -51,10 +51,10 @@ class KVFits:
 
 @dataclass(frozen=True, slots=True)
 class RequestSlots:
-    """The decode-side worker takes another request: under its limit of requests at once
-    (past it, it would refuse with RESOURCE_EXHAUSTED), counting the routers' own since its
-    heartbeat. A worker that states no limit always does."""
+    """The decode-side worker takes the request's sequences within its limit (past it, it
+    would refuse with RESOURCE_EXHAUSTED), counting the routers' own since its heartbeat; an
+    idle one takes any, as the engine does. A worker that states no limit always does."""
 
     def keep(self, worker: WorkerView, ticket: Ticket) -> bool:
-        limit = worker.info.max_requests
-        return limit <= 0 or worker.running_requests < limit
+        limit, running = worker.info.max_requests, worker.running_requests
+        return limit <= 0 or running == 0 or running + ticket.num_seqs <= limit

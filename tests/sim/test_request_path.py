@@ -168,6 +168,19 @@ def test_a_registry_entry_carries_the_engine_limits_and_its_stats_snapshot(
         entry, address="sim://p0", metrics_url="", kv_backend="sim", peer_fetch=False,
         updated_at=0.0,
     )  # fmt: skip
+    # The requests it takes at once: its RPC limit, and a decode worker's max_num_seqs too.
+    limits = {
+        (role, rpcs): registry_entry(engine, stats, role=role, worker_id="w", address="a",
+                                     metrics_url="", kv_backend="tcp", peer_fetch=False,
+                                     max_concurrent_rpcs=rpcs).max_requests
+        for role in ("prefill", "decode", "aggregated") for rpcs in (0, 32, 128)
+    }  # fmt: skip
+    seqs = engine.config.max_num_seqs
+    assert seqs == 64 and limits == {
+        ("prefill", 0): 0, ("prefill", 32): 32, ("prefill", 128): 128,
+        ("decode", 0): 64, ("decode", 32): 32, ("decode", 128): 64,
+        ("aggregated", 0): 0, ("aggregated", 32): 32, ("aggregated", 128): 128,
+    }  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -197,16 +210,16 @@ def test_a_mixed_cluster_is_split_by_the_routers_own_pool_rule(cost: LinearCost)
     assert [r.status for r in records] == [200] * 4
 
 
-def test_a_request_a_full_decode_worker_refuses_tries_each_other_once(cost: LinearCost):
-    """Decode workers that take one request at a time (max_num_seqs 1), three requests at
-    once: the first two spread over d0 and d1, the third is refused by d0, then by d1 (the
-    router's exclusion rule), and only then gets its 429."""
+def test_a_request_past_every_decode_workers_limit_waits_for_one(cost: LinearCost):
+    """Decode workers that take one request at a time (max_num_seqs 1, in their registry
+    entries), three requests at once: the first two spread over d0 and d1, the third waits in
+    the router's queue rather than be sent to be refused, and runs when d0 is free."""
     specs = (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode"), WorkerSpec("d1", "decode"))
     config = ClusterConfig(specs, EngineConfig(), EngineConfig(max_num_seqs=1))
-    records = simulate(Scenario("refused", config, PROMPT_300, ClosedLoop(3, 3)), cost).records
-    assert [(r.status, r.reason, r.decode_worker) for r in records] == [
-        (200, "", "d0"), (200, "", "d1"), (429, "decode_kv", "d1"),
-    ]  # fmt: skip
+    records = simulate(Scenario("waits", config, PROMPT_300, ClosedLoop(3, 3)), cost).records
+    assert [(r.status, r.decode_worker) for r in records] == [(200, "d0"), (200, "d1"),
+                                                              (200, "d0")]  # fmt: skip
+    assert records[2].queue_wait_s > 0 and records[0].queue_wait_s == 0
 
 
 @pytest.mark.parametrize(
