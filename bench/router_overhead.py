@@ -170,8 +170,8 @@ def main() -> None:
     # (its RPC limit and max_num_seqs): both are raised so both halves fit and neither path is
     # refused for the other's requests.
     room = str(args.streams + 16)
-    spec = ClusterSpec(http_port=0, grpc_port=0, num_cores=args.cores,
-                       worker_args=("--max-concurrent-rpcs", room, "--max-num-seqs", room))  # fmt: skip
+    limits = ("--max-concurrent-rpcs", room, "--max-num-seqs", room)
+    spec = ClusterSpec(http_port=0, grpc_port=0, num_cores=args.cores, worker_args=limits)
     cluster = LocalCluster(spec).start()
     try:
         assert cluster.router is not None
