@@ -167,6 +167,11 @@ def test_a_decode_worker_at_its_request_limit_is_not_chosen_until_one_ends():
     assert choices == {"b"}  # a's two slots are taken; b states no limit
     pool.release("decode", held[0])
     assert policies.decode.choose(pool.views("decode")[:1], ticket("r", 16)).worker_id == "a"
+    # Sequences count: two samples do not fit beside the one running; on an idle worker any
+    # number does, as the engine takes them.
+    assert policies.decode.choose(pool.views("decode")[:1], ticket("r", 16, num_seqs=2)) is None
+    pool.release("decode", held[1])
+    assert policies.decode.choose(pool.views("decode")[:1], ticket("r", 16, num_seqs=4))
     # pass_through, the plain-Service baseline, leaves the limit to the worker's refusal.
     passing = build_policies(RoutingSettings("watermark"), AdmissionSettings(mode="pass_through"))
     pool.assign("decode", "a", 1)
