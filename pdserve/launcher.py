@@ -152,6 +152,11 @@ class Child:
     def phase_path(self) -> Path:
         return _phase_path(self.log_path)
 
+    @property
+    def registry_role(self) -> str:
+        """The role it registers under: a decode child started `--aggregated` is aggregated."""
+        return "aggregated" if "--aggregated" in self.args else self.role
+
     def log_tail(self, num_lines: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
@@ -258,8 +263,7 @@ class LocalCluster:
     def worker_names(self, role: str) -> list[str]:
         """The prefill or decode workers running or starting (not aggregated ones)."""
         with self._lock:
-            return [c.name for c in self.children
-                    if c.role == role and "--aggregated" not in c.args]  # fmt: skip
+            return [c.name for c in self.children if c.registry_role == role]
 
     def add_worker(self, role: str) -> str:
         """Starts one more prefill or decode worker (a planner's scale-up); its name. It
@@ -421,9 +425,8 @@ class LocalCluster:
         if child.role not in ("prefill", "decode"):
             return
         worker_id = child.args[child.args.index("--worker-id") + 1]
-        role = "aggregated" if "--aggregated" in child.args else child.role
         try:
-            Registry(self.redis_url).remove(role, worker_id)  # type: ignore[arg-type]
+            Registry(self.redis_url).remove(child.registry_role, worker_id)  # type: ignore[arg-type]
         except redis.RedisError as e:  # Redis down too: the TTL still expires the entry
             report(f"could not remove {worker_id} from the registry: {e}")
 
