@@ -26,15 +26,13 @@ import time
 from collections import Counter
 from typing import Any
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.overload import new_client, poisson_arrivals, send
 from bench.serve import word_ids
 from engine.model_files import resolve_model
 from engine.tokenizer import TextTokenizer
 from pdserve.launcher import ClusterSpec, LocalCluster, RouterEndpoint
 from pdserve.registry import Registry
+from planner.local import scrape
 from router.settings import AdmissionSettings
 
 BUDGET = AdmissionSettings().prefill_token_budget
@@ -53,9 +51,7 @@ def parse_args() -> argparse.Namespace:
 
 def metric_sum(metrics_url: str, name: str) -> float:
     """A metric's samples of that name summed over their labels (0 before any exists)."""
-    text = httpx.get(metrics_url, timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == name)  # fmt: skip
+    return scrape(metrics_url, {name})[name]
 
 
 def refusals(routers: list[RouterEndpoint]) -> float:

@@ -51,8 +51,9 @@ class ScrapedSource(LoadSource):
         self._last: dict[tuple[str, str], float] = {}  # (page, metric) -> value last read
 
     def observe(self) -> Observation:
-        pages = [f"{router.http_url}/metrics" for router in self.cluster.routers]
         workers = self._workers()
+        decode_pages = {w.metrics_url for w in workers if w.role == "decode"}
+        pages = [f"{router.http_url}/metrics" for router in self.cluster.routers]
         pages += [w.metrics_url for w in workers]
         increases = dict.fromkeys(COUNTERS, 0.0)
         running: list[float] = []
@@ -63,7 +64,7 @@ class ScrapedSource(LoadSource):
                 now = seen[page, metric] = values[metric]
                 before = self._last.get((page, metric), 0.0)
                 increases[name] += now - before if now >= before else now
-            if any(page == w.metrics_url and w.role == "decode" for w in workers):
+            if page in decode_pages:
                 running.append(values[DECODE_RUNNING])
         self._last = seen
         increases["decode_batch_per_worker"] = sum(running) / len(running) if running else 0.0
