@@ -34,6 +34,8 @@ MAX_ENTRIES = 1024  # XADD MAXLEN ~: Redis keeps at least this many, trimming wh
 SNAPSHOT_EVERY = MAX_ENTRIES // 4
 # A stream outlives its worker by at most this long (a killed worker cannot delete it).
 STREAM_TTL_S = 120.0
+# A busy worker writes at most one entry per this long (its changes in between batched).
+BATCH_S = 0.05
 
 
 def stream_key(worker_id: str) -> str:
@@ -147,6 +149,36 @@ class CacheMirror:
         self.host.mark_published(update.is_snapshot, update.host_stored, update.host_evicted)
 
 
+@dataclass(slots=True)
+class CacheStream:
+    """A worker's stream as the entries it is told, whatever carries them (the publisher writes
+    them to Redis; the simulator hands them to its routers): the mirror, each entry's number,
+    and when the next entry must be a snapshot."""
+
+    mirror: CacheMirror = field(default_factory=CacheMirror)
+    seq: int = 0  # the next entry's number
+    num_entries: int = 0  # written since the last snapshot
+
+    @property
+    def snapshot_due(self) -> bool:
+        return self.num_entries >= SNAPSHOT_EVERY
+
+    def next_entry(self, snapshot: bool) -> CacheUpdate | None:
+        """The next entry, numbered; None when nothing changed since the last one. Hand it
+        to written() once it is stored."""
+        update = self.mirror.snapshot() if snapshot else self.mirror.delta()
+        if not snapshot and not update.num_events:
+            self.mirror.mark_published(update)  # hashes that came and went: nothing to tell
+            return None
+        update = replace(update, seq=self.seq)
+        self.seq += 1  # a failed write leaves a gap: readers then read the stream afresh
+        return update
+
+    def written(self, update: CacheUpdate) -> None:
+        self.num_entries = 0 if update.is_snapshot else self.num_entries + 1
+        self.mirror.mark_published(update)
+
+
 Changes = tuple[Sequence[CacheEvent], Sequence[CacheEvent]]
 
 
@@ -156,28 +188,27 @@ class CacheEventPublisher:
     so Redis latency or an outage never reaches a step."""
 
     def __init__(
-        self, client: redis.Redis, worker_id: str, idle_s: float = 2.0, batch_s: float = 0.05
+        self, client: redis.Redis, worker_id: str, idle_s: float = 2.0, batch_s: float = BATCH_S
     ) -> None:
         self.client = client
         self.key = stream_key(worker_id)
         self.idle_s = idle_s  # how often an idle worker refreshes its stream's TTL
-        self.batch_s = batch_s  # at most one entry per this long: a busy worker batches more
-        self.mirror = CacheMirror()
-        self.num_entries = 0  # written since the last snapshot
-        self.seq = 0  # the next entry's number
+        self.batch_s = batch_s
+        self.stream = CacheStream()
         # Each item: one loop turn's (pool events, host-tier events); None ends the thread.
         self._inbox: queue.SimpleQueue[Changes | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
     def start(self) -> CacheEventPublisher:
         # A worker restarted under the same id starts with an empty cache: say so first.
-        snapshot = self.mirror.snapshot()
+        snapshot = self.stream.next_entry(snapshot=True)
+        assert snapshot is not None
         with self.client.pipeline() as pipe:
             pipe.delete(self.key)
             self._add(pipe, snapshot)
             pipe.expire(self.key, int(STREAM_TTL_S))
             pipe.execute()
-        self.mirror.mark_published(snapshot)
+        self.stream.written(snapshot)
         self._thread.start()
         return self
 
@@ -201,7 +232,7 @@ class CacheEventPublisher:
             except queue.Empty:
                 batch = ([], [])
             while batch is not None:
-                self.mirror.apply(*batch)
+                self.stream.mirror.apply(*batch)
                 try:
                     batch = self._inbox.get_nowait()
                 except queue.Empty:
@@ -215,20 +246,16 @@ class CacheEventPublisher:
             time.sleep(self.batch_s)
 
     def _publish(self) -> None:
-        mirror = self.mirror
+        stream = self.stream
         # A stream gone with a restarted Redis starts again from a snapshot.
-        snapshot = self.num_entries >= SNAPSHOT_EVERY or not self.client.exists(self.key)
-        update = mirror.snapshot() if snapshot else mirror.delta()
+        update = stream.next_entry(stream.snapshot_due or not self.client.exists(self.key))
         with self.client.pipeline(transaction=False) as pipe:
-            if snapshot or update.num_events:
+            if update is not None:
                 self._add(pipe, update)
             pipe.expire(self.key, int(STREAM_TTL_S))
             pipe.execute()
-        if snapshot or update.num_events:
-            self.num_entries = 0 if snapshot else self.num_entries + 1
-        mirror.mark_published(update)
+        if update is not None:
+            stream.written(update)
 
     def _add(self, pipe: redis.client.Pipeline, update: CacheUpdate) -> None:
-        update = replace(update, seq=self.seq)
-        self.seq += 1  # a failed write leaves a gap: readers then read the stream afresh
         pipe.xadd(self.key, update.fields(), maxlen=MAX_ENTRIES, approximate=True)

@@ -11,7 +11,14 @@ import redis
 
 from engine.prefix_hash import hash_block
 from pdserve import kv_events
-from pdserve.kv_events import CacheEventPublisher, CacheMirror, CacheUpdate, stream_key
+from pdserve.kv_events import (
+    SNAPSHOT_EVERY,
+    CacheEventPublisher,
+    CacheMirror,
+    CacheStream,
+    CacheUpdate,
+    stream_key,
+)
 from pdserve.redis_server import RedisServer
 from router.prefix_index import PrefixIndex, follow
 from tests.waiting import wait_until, wait_until_async
@@ -29,6 +36,31 @@ def redis_url():
 
 def entries(client: redis.Redis, worker_id: str) -> list[CacheUpdate]:
     return [CacheUpdate.from_fields(f) for _, f in client.xrange(stream_key(worker_id))]
+
+
+def test_a_stream_numbers_its_entries_skips_empty_ones_and_snapshots_on_its_cadence():
+    """The entries both the publisher (to Redis) and the simulator (to its routers) send."""
+    stream = CacheStream()
+    first = stream.next_entry(snapshot=True)
+    assert first == CacheUpdate(True, (), seq=0)
+    stream.written(first)
+    stream.mirror.apply([(True, h(1)), (True, h(2)), (False, h(2))])
+    delta = stream.next_entry(snapshot=False)
+    assert delta == CacheUpdate(False, (h(1),), seq=1)
+    stream.written(delta)
+    stream.mirror.apply([(True, h(3)), (False, h(3))])  # came and went: nothing to tell
+    assert stream.next_entry(snapshot=False) is None
+    for i in range(SNAPSHOT_EVERY - 2):  # deltas up to one short of the cadence
+        stream.mirror.apply([(True, h(10 + i))])
+        stream.written(stream.next_entry(snapshot=stream.snapshot_due))
+    assert not stream.snapshot_due
+    stream.mirror.apply([(True, h(5))])
+    stream.written(stream.next_entry(snapshot=stream.snapshot_due))
+    assert stream.snapshot_due
+    snapshot = stream.next_entry(snapshot=stream.snapshot_due)
+    assert (snapshot.is_snapshot, len(snapshot.stored), snapshot.seq) == (
+        True, SNAPSHOT_EVERY, SNAPSHOT_EVERY + 1,
+    )  # fmt: skip
 
 
 def test_a_delta_carries_only_what_changed_since_the_last_entry():
