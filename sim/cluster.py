@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from engine import EngineConfig, SamplingParams
 from engine import errors as engine_errors
 from engine.request import Request, StepOutput
+from pdserve.kv_events import BATCH_S, CacheStream
 from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import ROLES, Role, WorkerInfo
 from prefill_service.request_path import Shipment, first_token_params
@@ -25,6 +26,7 @@ from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway, excluding
 from router.ledger import Assignment, Ledger
+from router.prefix_index import PrefixIndex
 from router.replicas import ReplicaSync
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
@@ -32,7 +34,7 @@ from router.workers import WorkerPool
 from sim.clock import SimulationStalled
 from sim.costs import CostModel
 from sim.worker import CoreShare, SimWorker, WorkerSpec
-from sim.workload import ClosedLoop, OpenLoop, RequestSource, SimRequest
+from sim.workload import ClosedLoop, OpenLoop, RequestSource, Sequential, SimRequest
 
 T = TypeVar("T")
 
@@ -168,6 +170,7 @@ class SimRouter:
     admission: Admission
     gateway: Gateway
     replicas: ReplicaSync
+    prefixes: PrefixIndex
     sync_due: bool = False  # a publish is on its way
 
 
@@ -208,13 +211,14 @@ class Simulation:
             config.admission.default_prefill_tokens_per_s,
             ledgers={"prefill": Ledger(clock=clock), "decode": Ledger(clock=clock)},
         )
-        policies = build_policies(config.routing, config.admission)
-        admission = Admission(config.admission, pool, policies, clock=clock)
+        prefixes = PrefixIndex()
+        policies = build_policies(config.routing, config.admission, prefixes)
+        admission = Admission(config.admission, pool, policies, prefixes=prefixes, clock=clock)
         settings = RouterSettings(redis_url="sim://", admission=config.admission,
                                   routing=config.routing)  # fmt: skip
         gateway = Gateway(settings, None, pool, admission, None)  # type: ignore[arg-type]
         replicas = ReplicaSync(pool, "sim://", admission.dispatch, router_id, clock=clock)
-        router = SimRouter(pool, admission, gateway, replicas)
+        router = SimRouter(pool, admission, gateway, replicas, prefixes)
         if config.num_routers > 1:
 
             def changed(side: Role, assignment: Assignment) -> None:
@@ -273,6 +277,22 @@ class Simulation:
             self._publish(worker)
             await asyncio.sleep(self.config.heartbeat_s)
 
+    async def _publish_cache_events(self, worker: SimWorker) -> None:
+        """CacheEventPublisher and the routers' stream readers: the worker's prefix-cache
+        changes reach every router's prefix index as the same numbered entries, one per
+        BATCH_S at most (Redis between them takes no time here)."""
+        stream, pool = CacheStream(), worker.engine.pool
+        pool.record_events = True
+        while True:
+            stream.mirror.apply(pool.take_cache_events())
+            update = stream.next_entry(snapshot=stream.seq == 0 or stream.snapshot_due)
+            if update is not None:
+                stream.written(update)
+                with self.meter:  # the routers' CPU: each reads every worker's stream
+                    for router in self.routers:
+                        router.prefixes.apply(worker.worker_id, f"{update.seq}-0", update)
+            await asyncio.sleep(BATCH_S)
+
     async def _follow_registry(self) -> None:
         while True:
             await asyncio.sleep(self.config.registry_refresh_s)
@@ -287,6 +307,7 @@ class Simulation:
             self._background.append(self.loop.create_task(worker.run()))
             phase = self.config.heartbeat_s * (i + 1) / (n + 1)
             self._background.append(self.loop.create_task(self._heartbeat(worker, phase)))
+            self._background.append(self.loop.create_task(self._publish_cache_events(worker)))
         self._refresh()
         if len(self.routers) > 1:  # replicas hear of each other at once
             for router in self.routers:
@@ -309,13 +330,16 @@ class Simulation:
             tasks.append(self.loop.create_task(self.serve(request)))
         await self._gather(tasks)
 
-    async def run_closed(self, closed: ClosedLoop, source: RequestSource) -> None:
+    async def run_closed(self, closed: ClosedLoop, source: RequestSource | Sequential) -> None:
         remaining = [closed.num_requests]
 
         async def client(index: int) -> None:
             while remaining[0] > 0 and self.loop.time() < closed.duration_s:
+                request = source.next(index)
+                if request is None:  # a Sequential source with no more for this client
+                    return
                 remaining[0] -= 1
-                record = await self.serve(source.next(index))
+                record = await self.serve(request)
                 if record.status == 429:  # back off as Retry-After says, then send the next
                     await asyncio.sleep(1.0)
                 elif closed.think_s:

@@ -3,6 +3,7 @@ numbers, then the simulator's outcome for a scenario that hits it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -16,13 +17,13 @@ from prefill_service.request_path import Shipment, first_token_params
 from router.gateway import excluding
 from router.settings import AdmissionSettings
 from router.workers import WorkerPool
-from sim.clock import VirtualTimeLoop
-from sim.cluster import ClusterConfig
+from sim.clock import VirtualTimeLoop, run_virtual
+from sim.cluster import ClusterConfig, Simulation
 from sim.scenario import Scenario, simulate
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import ClosedLoop, LengthMix, SimRequest
 from tests.router import router_harness as harness
-from tests.sim.conftest import LinearCost
+from tests.sim.conftest import LinearCost, pd_cluster
 
 # 300 tokens in blocks of 16 are 19 blocks, the last one partial; chunks of 128 compute them
 # in three steps: 128, 128, then 44.
@@ -240,3 +241,25 @@ def test_a_request_moves_on_while_a_decode_side_worker_is_left(
     ticket = replace(harness.ticket("r", 100), excluded_decode_ids=frozenset(excluded))
     left = excluding(ticket, moving_from, pool)
     assert left == (None if expected is None else frozenset(expected))
+
+
+def test_the_simulated_routers_learn_every_workers_cache_from_its_stream_entries():
+    """A worker's prefix-cache changes reach the routers' prefix index as the CacheStream
+    entries the real publisher writes: after a 200-token prompt, its 12 full blocks are held
+    by the prefill worker that computed it and by the decode worker it was shipped to."""
+    from pdserve.kv_events import BATCH_S
+
+    async def main() -> tuple[str, dict[str, frozenset[bytes]]]:
+        sim = Simulation(pd_cluster(2, 1), LinearCost())
+        sim.start()
+        record = await sim.serve(SimRequest("r", list(range(1000, 1200)), 2))
+        await asyncio.sleep(2 * BATCH_S)
+        await sim.stop()
+        (router,) = sim.routers
+        return record.prefill_worker, {w: router.prefixes.cached_hashes(w) for w in sim.workers}
+
+    prefill, cached = run_virtual(main())
+    other = ({"p0", "p1"} - {prefill}).pop()
+    assert len(cached[prefill]) == 12
+    assert cached["d0"] == cached[prefill]
+    assert cached[other] == frozenset()
