@@ -97,27 +97,37 @@ def fit(points: list[tuple[StepShape, float]]) -> tuple[dict[str, float], float]
     return dict(zip(FEATURES, full.tolist(), strict=True)), error
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=str(LOCAL_COEFFICIENTS))
-    args = parser.parse_args()
+def calibrate(threads: int) -> LocalCoefficients:
+    """Times the real engine's steps here and fits the cost model to them."""
     started = time.perf_counter()
-    points = measure(args.threads)
+    points = measure(threads)
     coefficients, error = fit(points)
     model = ModelConfig.from_dir(resolve_model("smollm2-135m"))
-    result = LocalCoefficients(
-        **coefficients, threads=args.threads,
+    return LocalCoefficients(
+        **coefficients, threads=threads,
         model={f.name: getattr(model, f.name) for f in fields(ModelConfig)},
         kv_bytes_per_token=kv_bytes_per_token(model, 4),  # fp32 KV
         fit={"num_points": len(points), "mean_abs_relative_error": round(error, 4),
              "seconds": round(time.perf_counter() - started, 1),
              "points": [[*features(s)[1:], round(t, 5)] for s, t in points]},
     )  # fmt: skip
+
+
+def summary(result: LocalCoefficients) -> dict:
+    """The fit without its points, for a JSON line."""
+    return asdict(result) | {"fit": {k: v for k, v in result.fit.items() if k != "points"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(LOCAL_COEFFICIENTS))
+    args = parser.parse_args()
+    result = calibrate(args.threads)
     result.save(Path(args.out))
-    print(f"{len(points)} step shapes, mean |error| {error:.1%}")
-    print(json.dumps(asdict(result) | {"fit": {k: v for k, v in result.fit.items()
-                                                if k != "points"}}))  # fmt: skip
+    print(f"{result.fit['num_points']} step shapes, "
+          f"mean |error| {result.fit['mean_abs_relative_error']:.1%}")  # fmt: skip
+    print(json.dumps(summary(result)))
 
 
 if __name__ == "__main__":

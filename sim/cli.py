@@ -74,16 +74,38 @@ def scale(
 
 @app.command()
 def validate(
-    requests: Annotated[int, typer.Option(help="Requests per real run.")] = 24,
+    requests: Annotated[int, typer.Option(help="Requests per real run.")] = 200,
+    shapes: Annotated[
+        str, typer.Option(help="Clusters, comma-separated.")
+    ] = "1P+1D,2P+1D,aggregated",
+    workloads: Annotated[str, typer.Option(help="Workloads, comma-separated.")] = "prompt_mix,chat",
     seed: Seed = 0,
     out: Out = "",
 ) -> None:
-    """Predict real `pdserve up` runs (1P+1D, then 2P+1D) with the local cost model."""
+    """Calibrate, then predict real `pdserve up` runs (3 shapes x 2 workloads) with the
+    simulator; the worst errors over the runs last."""
     from sim import validate as study
 
+    known = {shape.label: shape for shape in study.SHAPES}
+    chosen = tuple(known[label] for label in _choice(shapes, known))
+    loads = _choice(workloads, study.WORKLOADS)
     out_dir = _out_dir(out, "validate")
-    result = study.run(requests, seed, out_dir)
+    result = study.run(requests, seed, out_dir, chosen, loads, report=_progress)
     _finish(out_dir, "validate", study.table(result), result)
+
+
+def _choice(given: str, known) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in given.split(",") if name.strip())
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise typer.BadParameter(
+            f"{', '.join(unknown) or 'nothing'}: choose from {', '.join(known)}"
+        )
+    return names
+
+
+def _progress(line: str) -> None:
+    typer.echo(line, err=True)
 
 
 @app.command()

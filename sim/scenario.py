@@ -15,7 +15,7 @@ from sim.clock import run_virtual
 from sim.cluster import ClusterConfig, Record, Samples, Simulation
 from sim.costs import CostModel
 from sim.worker import CoreShare, SimWorker
-from sim.workload import ClosedLoop, LengthMix, OpenLoop, RequestSource
+from sim.workload import ClosedLoop, LengthMix, OpenLoop, RequestSource, Sequential
 
 DRAIN_S = 1.0  # virtual seconds after the last request, for KV sends still in flight
 
@@ -122,7 +122,7 @@ def _per_worker(done: list[Record], pool: list[str]) -> dict[str, int]:
 
 
 def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None,
-             source: RequestSource | None = None) -> Result:  # fmt: skip
+             source: RequestSource | Sequential | None = None) -> Result:  # fmt: skip
     """source: the requests to send (default: drawn from the scenario's mix and seed)."""
     started = time.perf_counter()
 

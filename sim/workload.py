@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -130,3 +130,58 @@ class ClosedLoop:
     num_requests: int
     duration_s: float = float("inf")
     think_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Conversations:
+    """Multi-turn chat: every turn after the first sends the whole conversation so far (the
+    earlier prompt, its reply, a new user message), so it shares its prefix with the turn
+    before. Replies are drawn tokens, not the model's: a real run and the simulator send the
+    same prompts, and the prefix a turn shares is the earlier turn's prompt and reply."""
+
+    num_turns: int = 4
+    first_tokens: tuple[int, int] = (128, 384)  # system prompt and first message, uniform
+    user_tokens: tuple[int, int] = (16, 64)  # each later message
+    output_tokens: int = 16  # every reply
+    vocab: tuple[int, int] = (1000, 40000)
+
+    def draw(self, num_conversations: int, seed: int) -> list[list[SimRequest]]:
+        """Each conversation's turns, in the order they are sent."""
+        lengths = random.Random(seed)
+        tokens = np.random.default_rng(seed + 1_000_003)
+        conversations = []
+        for c in range(num_conversations):
+            history = tokens.integers(*self.vocab, lengths.randint(*self.first_tokens)).tolist()
+            turns = []
+            for t in range(self.num_turns):
+                if t:
+                    reply = tokens.integers(*self.vocab, self.output_tokens).tolist()
+                    message = tokens.integers(*self.vocab, lengths.randint(*self.user_tokens))
+                    history = history + reply + message.tolist()
+                turns.append(SimRequest(f"c{c:04d}-t{t}", history, self.output_tokens))
+            conversations.append(turns)
+        return conversations
+
+
+class Sequential:
+    """Hands out requests in a fixed order to closed-loop clients, the same in a real run as
+    in the simulator. Given conversations, a client sends one conversation's turns in order
+    (the next only after the last one's reply) and then takes the next conversation."""
+
+    def __init__(self, conversations: list[list[SimRequest]]) -> None:
+        self._waiting = list(conversations)
+        self._current: dict[int, list[SimRequest]] = {}
+
+    @classmethod
+    def of(cls, requests: list[SimRequest]) -> Sequential:
+        """Single requests, each its own one-turn conversation."""
+        return cls([[request] for request in requests])
+
+    def next(self, client: int = 0) -> SimRequest | None:
+        """None: nothing left for this client (other clients may still have turns to send)."""
+        turns = self._current.get(client)
+        if not turns:
+            if not self._waiting:
+                return None
+            turns = self._current[client] = list(self._waiting.pop(0))
+        return replace(turns.pop(0), client=client)
