@@ -423,6 +423,7 @@ class Simulation:
         worker = self.workers[lease.decode.worker_id]
         try:
             if worker.spec.kind == "aggregated":  # DecodeService with settings.aggregated
+                await worker.between_steps()
                 requests = [
                     worker.engine.add_request(request.request_id, request.prompt_token_ids, params)
                 ]
@@ -454,11 +455,13 @@ class Simulation:
         """DecodeService._generate + PrefillService._prefill: reserve KV on the decode worker,
         prefill elsewhere with the blocks shipped as they finish, then commit."""
         hop, rid = self.cost.hop_s, request.request_id
+        await decode.between_steps()
         reserved = decode.engine.reserve_for_remote_prefill(rid, request.prompt_token_ids, params)
         prefill = self.workers[lease.prefill.worker_id]
         await asyncio.sleep(hop)  # decode -> prefill: the Prefill RPC
         transfer = _Transfer(Shipment(decode.engine.kv.first_remote_block(reserved)))
         finished: asyncio.Future[StepOutput] = self.loop.create_future()
+        await prefill.between_steps()
         try:
             prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
                                                          first_token_params(params, 0))  # fmt: skip
@@ -476,6 +479,7 @@ class Simulation:
         prefill.engine.kv.release(transfer.held_block_ids)
         prefill.kick()
         await asyncio.sleep(hop)
+        await decode.between_steps()
         first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
         sink.on_output(first, self.loop.time())
         return [reserved, prefill_request]

@@ -109,6 +109,7 @@ class SimWorker:
         self.timeline = Timeline()
         self.num_steps = 0
         self._wake = asyncio.Event()
+        self._step_end: asyncio.Future[None] | None = None  # the step in progress, if any
 
     @property
     def worker_id(self) -> str:
@@ -117,6 +118,12 @@ class SimWorker:
     def kick(self) -> None:
         """Something changed outside a step (a request queued, committed, aborted)."""
         self._wake.set()
+
+    async def between_steps(self) -> None:
+        """EngineLoop.call: what the services ask of the engine waits for the step in
+        progress to end, and runs before the next one starts."""
+        while self._step_end is not None:
+            await self._step_end
 
     def listen(self, request_id: str, listener: Callable[[StepOutput], None]) -> None:
         self.listeners[request_id] = listener
@@ -145,11 +152,14 @@ class SimWorker:
             self.num_steps += 1
             if self.cores is not None:
                 self.cores.num_busy += 1
+            self._step_end = self.loop.create_future()
             try:
                 await asyncio.sleep(seconds)
             finally:
                 if self.cores is not None:
                     self.cores.num_busy -= 1
+                self._step_end.set_result(None)
+                self._step_end = None
             self.timeline.busy.append((started, self.loop.time()))
             self.stats = self.engine.stats()
             for output in outputs:
@@ -158,3 +168,4 @@ class SimWorker:
                     if output.finished:
                         del self.listeners[output.request_id]
                     listener(output)
+            await asyncio.sleep(0)  # the commands that waited for this step run before the next
