@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -40,10 +43,14 @@ def features(shape: StepShape) -> list[float]:
             shape.decode_context]  # fmt: skip
 
 
+def _engine(threads: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(num_threads=threads, chunk_size=512, num_blocks=512,
+                                  enable_prefix_caching=False,
+                                  quantization=FITTED_QUANTIZATION))  # fmt: skip
+
+
 def measure(threads: int) -> list[tuple[StepShape, float]]:
-    engine = LLMEngine(EngineConfig(num_threads=threads, chunk_size=512, num_blocks=512,
-                                    enable_prefix_caching=False,
-                                    quantization=FITTED_QUANTIZATION))  # fmt: skip
+    engine = _engine(threads)
     runner = engine.runner
     execute = runner.execute
     shapes: list[StepShape] = []
@@ -95,6 +102,41 @@ def fit(points: list[tuple[StepShape, float]]) -> tuple[dict[str, float], float]
     full[active] = coef
     error = float(np.mean(np.abs(x @ full - y) / y))
     return dict(zip(FEATURES, full.tolist(), strict=True)), error
+
+
+@contextmanager
+def neighbour(cores: list[int], threads: int):
+    """Another engine stepping on those cores meanwhile (the same steps, over and over), as a
+    worker beside the one timed would: they share memory bandwidth and caches."""
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Event(), context.Event()
+    process = context.Process(target=_step_forever, args=(cores, threads, ready, stop))
+    process.start()
+    try:
+        if not ready.wait(timeout=300):
+            raise RuntimeError("the neighbour engine did not start")
+        yield
+    finally:
+        stop.set()
+        process.join(timeout=60)
+
+
+def _step_forever(cores: list[int], threads: int, ready, stop) -> None:
+    os.sched_setaffinity(0, cores)
+    engine = _engine(threads)
+    rng = np.random.default_rng(1)
+    ready.set()
+    params = SamplingParams(max_tokens=DECODE_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    count = 0
+    while not stop.is_set():
+        length = PREFILL_LENGTHS[count % len(PREFILL_LENGTHS)]
+        prompts = [rng.integers(100, 40000, length).tolist()]
+        prompts += rng.integers(100, 40000, (4, 32)).tolist()  # and a decode batch
+        for prompt in prompts:
+            engine.add_request(f"n{count}", prompt, params)
+            count += 1
+        while engine.has_unfinished_requests() and not stop.is_set():
+            engine.step()
 
 
 def calibrate(threads: int) -> LocalCoefficients:

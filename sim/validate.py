@@ -3,7 +3,9 @@ in one command and one window; reports throughput and TTFT p50/p99 errors as fra
 real value, per run and the worst case.
 
 Calibration first (sim/calibrate.py at each thread count the clusters' workers get, pinned to
-as many cores), then every shape (1P+1D, 2P+1D, one aggregated worker) under every workload:
+as many cores, and at one thread again beside a neighbour engine stepping on the other core:
+workers on cores of their own still share memory bandwidth and caches), then every shape
+(1P+1D, 2P+1D, one aggregated worker) under every workload:
 
 - prompt_mix: bench/serve.py's workload at its default scale: the prefill-tuning mix with
   lengths x0.2 (13-51 / 205-819 tokens), 8 output tokens;
@@ -34,7 +36,7 @@ import numpy as np
 from engine import EngineConfig
 from pdserve.lengths import LengthBuckets
 from router.settings import AdmissionSettings, RoutingSettings
-from sim.calibrate import calibrate, summary
+from sim.calibrate import calibrate, neighbour, summary
 from sim.cluster import ClusterConfig, Record
 from sim.costs import FITTED_QUANTIZATION, LocalCoefficients, LocalCost
 from sim.scenario import Scenario, simulate
@@ -131,10 +133,14 @@ def pinned(cores: list[int]):
 
 def predict(
     shape: Shape, requests: Sequential, num_requests: int, coefficients: LocalCoefficients,
-    num_cores: int,
+    num_cores: int, beside: LocalCoefficients | None = None,
 ) -> tuple[Measured, dict[str, float]]:  # fmt: skip
-    """The simulated run's numbers, and each worker's seconds inside (modelled) steps."""
+    """The simulated run's numbers, and each worker's seconds inside (modelled) steps.
+    beside: the fit with a neighbour worker stepping (None: workers do not slow each other
+    below the core count)."""
     cost = LocalCost(coefficients, num_cores=num_cores)
+    neighbours = None if beside is None else LocalCost(beside, num_cores=num_cores)
+    cores = CoreShare(num_cores, beside=neighbours, alone=cost)
     specs = tuple(
         [WorkerSpec(f"prefill-{i}", "prefill") for i in range(shape.num_prefill)]
         + [WorkerSpec(f"decode-{i}", "decode") for i in range(shape.num_decode)]
@@ -144,7 +150,7 @@ def predict(
                            RoutingSettings())  # fmt: skip
     scenario = Scenario(f"validate-{shape.label}", config, LengthMix(),
                         ClosedLoop(CONCURRENCY, num_requests))  # fmt: skip
-    result = simulate(scenario, cost, CoreShare(num_cores), requests)
+    result = simulate(scenario, cost, cores, requests)
     steps = {wid: round(w.timeline.busy_s(0.0, result.end_s), 2)
              for wid, w in result.workers.items()}  # fmt: skip
     return _measured(result.completed(), result.end_s), steps
@@ -260,24 +266,35 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
         report(f"calibrating the cost model at {threads} thread(s)...")
         with pinned(cores[:threads]):
             fits[threads] = calibrate(threads)
+    # Workers side by side on cores of their own: the same steps timed beside a neighbour.
+    beside: LocalCoefficients | None = None
+    if any(s.num_workers > 1 for s in shapes) and 1 in fits and len(cores) > 1:
+        report("calibrating the cost model at 1 thread beside a neighbour worker...")
+        with pinned(cores[:1]), neighbour(cores[1:2], 1):
+            beside = calibrate(1)
     runs: dict[str, Any] = {}
     for shape in shapes:
         coefficients = fits[shape.threads_per_worker(len(cores))]
+        neighbours = beside if coefficients.threads == 1 else None
         for workload in workloads:
             label = f"{shape.label}/{workload}"
             report(f"{label}: {num_requests} requests on a real cluster...")
             real, spent = measure(shape, source(workload, num_requests, seed), num_requests,
                                   cores, log_dir)  # fmt: skip
             sim, sim_steps = predict(shape, source(workload, num_requests, seed), num_requests,
-                                     coefficients, len(cores))  # fmt: skip
+                                     coefficients, len(cores), neighbours)  # fmt: skip
+            alone, _ = predict(shape, source(workload, num_requests, seed), num_requests,
+                               coefficients, len(cores))  # fmt: skip
             runs[label] = {"real": _round(real), "sim": _round(sim), **_errors(sim, real),
                            "real_cpu_s": spent["cpu_s"], "real_step_s": spent["step_s"],
-                           "sim_step_s": sim_steps}  # fmt: skip
+                           "sim_step_s": sim_steps, "sim_without_neighbours": _round(alone),
+                           "errors_without_neighbours": _errors(alone, real)}  # fmt: skip
     worst = {k: max(r[k] for r in runs.values()) for k in TARGETS}
     return {
         "runs": runs,
         "worst_run": {k: max(runs, key=lambda label: runs[label][k]) for k in TARGETS},
-        "calibration": {str(t): summary(fit) for t, fit in fits.items()},
+        "calibration": {str(t): summary(fit) for t, fit in fits.items()}
+        | ({"1_beside_a_neighbour": summary(beside)} if beside is not None else {}),
         "cores": cores,
         "requests_per_run": num_requests,
         "targets": TARGETS,
@@ -312,6 +329,9 @@ def table(out: dict[str, Any]) -> str:
                          f"{m['ttft_p50_s']:>9.2f}s{m['ttft_p99_s']:>9.2f}s")  # fmt: skip
         lines.append(f"{'':<22}{'error':>6}{r['throughput_error']:>9.0%}"
                      f"{r['ttft_p50_error']:>10.0%}{r['ttft_p99_error']:>10.0%}")  # fmt: skip
+        e = r["errors_without_neighbours"]
+        lines.append(f"{'  (no neighbour term)':<22}{'error':>6}{e['throughput_error']:>9.0%}"
+                     f"{e['ttft_p50_error']:>10.0%}{e['ttft_p99_error']:>10.0%}")  # fmt: skip
     lines.append(f"{'worst':<22}{'':>6}{out['throughput_error']:>9.0%}"
                  f"{out['ttft_p50_error']:>10.0%}{out['ttft_p99_error']:>10.0%}")  # fmt: skip
     return "\n".join(lines)

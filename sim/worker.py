@@ -50,14 +50,22 @@ class SimTokenizer:
 
 @dataclass(slots=True)
 class CoreShare:
-    """Local cost model: single-thread workers busy at once share the machine's cores."""
+    """Local cost model: how workers busy at once share the machine. Beyond the cores they
+    take turns; below, each has a core but they share memory bandwidth and caches, which
+    slows a step beside another worker's by what calibration measured (beside: the cost
+    fitted with a neighbour stepping on another core; None: not measured)."""
 
     num_cores: int
+    beside: CostModel | None = None
+    alone: CostModel | None = None  # the cost fitted without a neighbour, beside's baseline
     num_busy: int = 0
 
-    def slowdown(self) -> float:
+    def slowdown(self, shape: StepShape) -> float:
         """For a step about to start: it and the steps already running share the cores."""
-        return max(1.0, (self.num_busy + 1) / self.num_cores)
+        turns = max(1.0, (self.num_busy + 1) / self.num_cores)
+        if self.num_busy == 0 or self.beside is None or self.alone is None:
+            return turns
+        return turns * self.beside.step_s(shape) / self.alone.step_s(shape)
 
 
 class CostModelRunner:
@@ -72,9 +80,10 @@ class CostModelRunner:
         self.cores = cores
 
     def execute(self, batch: Sequence[ScheduledRequest]) -> dict[str, int]:
-        seconds = self.cost.step_s(StepShape.of(batch)) * self.speed_factor
+        shape = StepShape.of(batch)
+        seconds = self.cost.step_s(shape) * self.speed_factor
         if self.cores is not None:
-            seconds *= self.cores.slowdown()
+            seconds *= self.cores.slowdown(shape)
         self.clock.offset_s = seconds
         return {i.request.request_id: OUTPUT_TOKEN_ID for i in batch if i.completes_pass}
 
