@@ -50,13 +50,17 @@ def _run(*argv: str, namespace: str | None = None, stdin: str | None = None) -> 
 
 
 def unavailable_reason() -> str | None:
-    """Why Network() cannot work here (not root, no `ip`, no `nft`), else None."""
+    """Why Network() cannot work here (not root, no `ip`), else None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is missing (install {package})"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "`ip` or `tc` is missing (install iproute2)"
     return None
+
+
+def faults_unavailable_reason() -> str | None:
+    """Why cut() and lossy() cannot work here (no `nft`), else None."""
+    return None if shutil.which("nft") else "`nft` is missing (install nftables)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +155,8 @@ class Network:
 
     @contextlib.contextmanager
     def _dropping(self, host: Host, peers: Sequence[Host], match: str) -> Iterator[None]:
+        if (reason := faults_unavailable_reason()) is not None:
+            raise NamespacesUnavailableError(reason)
         # On the host itself, input and output: the peers see nothing either way.
         rule = f"add rule inet {_NFT_TABLE}"
         rules = []

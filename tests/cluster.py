@@ -154,6 +154,20 @@ class Cluster:
             message=f"no heartbeat from {worker.worker_id} after {since:.3f}",
         ).load  # fmt: skip
 
+    def assert_idle(self, *workers: WorkerProcess) -> None:
+        """Every block free again, on every worker kind, and none quarantined."""
+        for worker in workers:
+            wait_until(
+                lambda w=worker: self._is_idle(w), timeout_s=120,
+                message=f"{worker.worker_id} never went idle",
+            )  # fmt: skip
+            assert worker.metric("pdserve_kv_blocks_quarantined") == 0
+            assert worker.process.poll() is None, f"{worker.worker_id} died"
+
+    def _is_idle(self, worker: WorkerProcess) -> bool:
+        load = self.load(worker)
+        return load.free_blocks == load.total_blocks and load.running_requests == 0
+
     def start_router(self, host: Host, *args: str) -> RouterProcess:
         """`pdserve router` on host, once it serves (its ports are free there: a host is its
         own network namespace)."""
