@@ -98,11 +98,12 @@ class Cluster:
 
     def start(
         self, role: str, *args: str, wait: bool = True, program: tuple[str, ...] = PDSERVE,
-        host: Host | None = None,
+        host: Host | None = None, worker_id: str | None = None,
     ) -> WorkerProcess:  # fmt: skip
         """program: how to run `pdserve` (tests/workers/faulty_worker.py injects faults);
-        host: where (it binds and advertises that host's address)."""
-        worker_id = f"{role}-{len(self.workers)}"
+        host: where (it binds and advertises that host's address); worker_id: a dead worker's,
+        for one restarted in its place."""
+        worker_id = worker_id or f"{role}-{len(self.workers)}"
         command = [
             *program, role, "--redis-url", self.redis.url,
             "--port", "0", "--metrics-port", "0", "--threads", "1", "--worker-id", worker_id,

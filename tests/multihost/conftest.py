@@ -3,7 +3,8 @@ namespace of pdserve.netns, joined through a bridge); skipped where namespaces c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from pdserve.redis_server import RedisServer
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from tests.cluster import Cluster, RouterProcess, WorkerProcess
+from tests.waiting import wait_until
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +83,40 @@ def greedy_tokens(llm, prompts: list, max_tokens: int) -> list[list[int]]:
 
 def token_ids(messages) -> list[int]:
     return [t for m in messages for t in m.token_ids]
+
+
+class WhenTransferring(threading.Thread):
+    """Does `act` to the prefill worker whose KV is on the wire: a first chunk sent while the
+    prompt's later chunks are still being computed. join() re-raises a failure to see that
+    moment (a fault that lands late proves nothing)."""
+
+    def __init__(self, hosts: Hosts, act: Callable[[WorkerProcess], None]) -> None:
+        super().__init__(name="when-transferring")
+        self.hosts, self.act, self.failure = hosts, act, None
+        self.sent_before = {p.worker_id: self.sent(p) for p in hosts.live("prefill")}
+
+    def sent(self, prefill: WorkerProcess) -> float:
+        return prefill.metric("pdserve_kv_transfer_bytes_total",
+                              backend=self.hosts.cluster.kv_backend, direction="sent")  # fmt: skip
+
+    def transferring(self) -> WorkerProcess | None:
+        for prefill in self.hosts.live("prefill"):
+            if self.sent(prefill) > self.sent_before[prefill.worker_id] and (
+                prefill.metric("pdserve_prefill_queued_tokens") > 0
+            ):
+                return prefill
+        return None
+
+    def run(self) -> None:
+        try:
+            self.act(wait_until(
+                self.transferring, timeout_s=120, interval_s=0.02,
+                message="no prefill worker seen mid-transfer",
+            ))  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread by join()
+            self.failure = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.failure is not None:
+            raise self.failure
