@@ -32,6 +32,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from kvtransfer import KVAgent, KVLayout, create_agent  # noqa: E402
+from pdserve.netns import Host  # noqa: E402
 
 MiB = 1 << 20
 SIZES_MIB = (1, 16, 64, 256)
@@ -58,13 +59,16 @@ def _new_cache(fill: int) -> torch.Tensor:
 
 
 class _Side:
-    """What one bench process owns: an agent per backend, its cache, and (receiver) a gRPC sink."""
+    """What one bench process owns: an agent per backend, its cache, and (receiver) a gRPC sink.
+    The tcp agent listens on address."""
 
-    def __init__(self, fill: int) -> None:
+    def __init__(self, fill: int, address: str = "127.0.0.1") -> None:
         self.agents: dict[str, KVAgent] = {}
         for backend in ("nixl", "tcp"):
             cache = _new_cache(fill)
-            self.agents[backend] = create_agent(backend, f"bench-{backend}", cache, LAYOUT)
+            self.agents[backend] = create_agent(
+                backend, f"bench-{backend}", cache, LAYOUT, host=address
+            )
         self.grpc_sink = _new_cache(0).view(-1).view(torch.uint8).numpy()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
@@ -139,8 +143,11 @@ def timed_memcpy(side: _Side, num_bytes: int) -> float:
     return time.perf_counter() - started
 
 
-def _serve(conn: Connection, fill: int) -> None:
-    side = _Side(fill)
+def _serve(conn: Connection, fill: int, host: Host | None) -> None:
+    if host is not None:  # before any agent exists: UCX reads its settings once
+        host.enter()
+        os.environ.update(host.environment)
+    side = _Side(fill, host.address if host else "127.0.0.1")
     conn.send("ready")
     while (message := conn.recv()) is not None:
         fn, args = message
@@ -154,10 +161,12 @@ def _serve(conn: Connection, fill: int) -> None:
 
 
 class _Process:
-    def __init__(self, fill: int) -> None:
+    """A bench process, on this machine's loopback or on a host of a pdserve.netns Network."""
+
+    def __init__(self, fill: int, host: Host | None = None) -> None:
         context = get_context("spawn")  # never fork: NIXL agents live in these processes
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, fill), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, fill, host), daemon=True)
         self._process.start()
 
     def ready(self) -> None:

@@ -34,7 +34,6 @@ _LINK = re.compile(r"^pd(\d+)(?:br|v\d+)\b")
 _CLONE_NEWNET = 0x40000000
 _FIRST_HOST = 10  # .1 is the root namespace's address on the bridge
 _NFT_TABLE = "pdserve_faults"
-_HOST_ENV = ("UCX_TLS=^sm",)
 
 
 class NamespacesUnavailableError(RuntimeError):
@@ -70,14 +69,21 @@ class Host:
     address: str
     link: str  # the root-side end of its veth pair; "eth0" is the end inside
 
+    @property
+    def environment(self) -> dict[str, str]:
+        """What a process on this host runs with. Hosts share no memory: UCX must not reach a
+        peer by shared memory or cross-memory attach, which it would on this one machine (and
+        so bypass the link under test)."""
+        return {"UCX_TLS": "^sm"}
+
     def command(self, argv: Sequence[str]) -> list[str]:
-        """argv run on this host (ip netns exec and env exec it: the pid stays the process's).
-        Hosts share no memory: UCX must not reach a peer by shared memory or cross-memory
-        attach, which it would on this one machine (and bypass the link under test)."""
-        return ["ip", "netns", "exec", self.namespace, "env", *_HOST_ENV, *argv]
+        """argv run on this host (ip netns exec and env exec it: the pid stays the process's)."""
+        settings = [f"{name}={value}" for name, value in self.environment.items()]
+        return ["ip", "netns", "exec", self.namespace, "env", *settings, *argv]
 
     def enter(self) -> None:
-        """Moves the calling process onto this host's network (before it opens any socket)."""
+        """Moves the calling process onto this host's network (before it opens any socket;
+        it should then take on self.environment too)."""
         fd = os.open(f"/var/run/netns/{self.namespace}", os.O_RDONLY)
         try:
             if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
