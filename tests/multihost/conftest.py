@@ -18,6 +18,11 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from tests.cluster import Cluster, RouterProcess, WorkerProcess
 from tests.waiting import wait_until
+from tests.workers.calls import LONG
+
+# Four prefill chunks of 512 tokens: after the first one ships, a fault has the next three
+# chunks' compute to land in (seconds on one thread) while the KV is on the wire.
+CHUNKED_PROMPT = LONG[:1600]
 
 
 @dataclass(frozen=True, slots=True)

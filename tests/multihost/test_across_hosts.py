@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from tests.multihost.conftest import (
+    CHUNKED_PROMPT,
     WhenTransferring,
     cluster_on_hosts,
     generate,
@@ -18,7 +19,7 @@ from tests.multihost.conftest import (
     token_ids,
 )
 from tests.waiting import wait_until
-from tests.workers.calls import LONG, LONG_PROMPT
+from tests.workers.calls import LONG_PROMPT
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -58,7 +59,7 @@ def test_a_prefill_worker_restarted_on_its_address_serves_with_its_new_agent(hos
     killer = WhenTransferring(hosts, lambda prefill: prefill.kill())
     killer.start()
     with pytest.raises(grpc.RpcError) as lost:
-        generate(hosts.router, LONG, max_tokens=4)
+        generate(hosts.router, CHUNKED_PROMPT, max_tokens=4)
     killer.join()
     assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value.details()
     wait_until(lambda: hosts.cluster.entry(doomed) is None, timeout_s=60,
@@ -73,6 +74,6 @@ def test_a_prefill_worker_restarted_on_its_address_serves_with_its_new_agent(hos
         worker_id=doomed.worker_id,
     )  # fmt: skip
     assert restarted.address == doomed.address
-    (expected,) = greedy_tokens(llm, [LONG], 4)
-    assert token_ids(generate(hosts.router, LONG, max_tokens=4)) == expected
+    (expected,) = greedy_tokens(llm, [CHUNKED_PROMPT], 4)
+    assert token_ids(generate(hosts.router, CHUNKED_PROMPT, max_tokens=4)) == expected
     hosts.cluster.assert_idle(restarted, decode)

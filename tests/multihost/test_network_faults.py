@@ -18,6 +18,7 @@ from pdserve.netns import faults_unavailable_reason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc
 from tests.multihost.conftest import (
+    CHUNKED_PROMPT,
     Hosts,
     WhenTransferring,
     cluster_on_hosts,
@@ -26,7 +27,6 @@ from tests.multihost.conftest import (
     host_of,
     token_ids,
 )
-from tests.workers.calls import LONG
 
 pytestmark = pytest.mark.skipif(
     faults_unavailable_reason() is not None, reason=f"{faults_unavailable_reason()}"
@@ -45,7 +45,7 @@ def assert_all_idle(hosts: Hosts) -> None:
 
 
 def test_a_prefill_host_cut_off_mid_transfer_is_fenced_and_the_request_retried(hosts, llm):
-    (expected,) = greedy_tokens(llm, [LONG], MAX_TOKENS)
+    (expected,) = greedy_tokens(llm, [CHUNKED_PROMPT], MAX_TOKENS)
     attempts = lambda outcome: sum(  # noqa: E731
         d.metric("pdserve_decode_prefill_attempts_total", outcome=outcome)
         for d in hosts.live("decode")
@@ -57,7 +57,7 @@ def test_a_prefill_host_cut_off_mid_transfer_is_fenced_and_the_request_retried(h
             hosts.network.cut(host_of(prefill), *decode_hosts)))  # fmt: skip
         cut.start()
         try:
-            messages = generate(hosts.router, LONG, MAX_TOKENS)
+            messages = generate(hosts.router, CHUNKED_PROMPT, MAX_TOKENS)
         finally:
             cut.join()
     assert token_ids(messages) == expected
