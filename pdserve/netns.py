@@ -6,8 +6,9 @@ reaches every host. The hosts have no route anywhere else: their traffic stays o
 A process runs on a host under `ip netns exec` (Host.command), or moves itself there
 (Host.enter). Links can be cut, made lossy (nftables) or rate-limited (tc tbf).
 
-Every name carries the creating process's id, so parallel runs never collide, and a run
-removes what a crashed earlier one left (its pid no longer alive) before it starts:
+Every name carries the creating process's id (and a count of its networks), so parallel runs
+never collide, and a run removes what a crashed earlier one left (its pid no longer alive)
+before it starts:
 
     with Network() as network:
         redis, worker = network.host("redis"), network.host("prefill")
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -29,11 +31,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 NAMESPACE_PREFIX = "pdnet"
-_NAMESPACE = re.compile(rf"^{NAMESPACE_PREFIX}(\d+)-\S+")
-_LINK = re.compile(r"^pd(\d+)(?:br|v\d+)\b")
+_NAMESPACE = re.compile(rf"^{NAMESPACE_PREFIX}(\d+)n\d+-\S+")
+_LINK = re.compile(r"^pd(\d+)n\d+(?:br|v\d+)$")
 _CLONE_NEWNET = 0x40000000
 _FIRST_HOST = 10  # .1 is the root namespace's address on the bridge
 _NFT_TABLE = "pdserve_faults"
+_networks = itertools.count()  # this process's, for their names
 
 
 class NamespacesUnavailableError(RuntimeError):
@@ -100,9 +103,9 @@ class Network:
         if (reason := unavailable_reason()) is not None:
             raise NamespacesUnavailableError(reason)
         remove_stale()
-        self.pid = os.getpid()
+        self.tag = f"{os.getpid()}n{next(_networks)}"  # interface names: at most 15 characters
         self.subnet = _free_subnet()
-        self.bridge = f"pd{self.pid}br"
+        self.bridge = f"pd{self.tag}br"
         self.hosts: list[Host] = []
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -115,8 +118,8 @@ class Network:
     def host(self, name: str) -> Host:
         index = len(self.hosts)
         host = Host(
-            name, f"{NAMESPACE_PREFIX}{self.pid}-{name}", f"{self.subnet}.{_FIRST_HOST + index}",
-            f"pd{self.pid}v{index}",
+            name, f"{NAMESPACE_PREFIX}{self.tag}-{name}", f"{self.subnet}.{_FIRST_HOST + index}",
+            f"pd{self.tag}v{index}",
         )  # fmt: skip
         self.hosts.append(host)
         _run("ip", "netns", "add", host.namespace)
