@@ -1,7 +1,8 @@
-"""Network faults between separate hosts (Redis, the router, two prefill and two decode hosts,
-KV over tcp): a partition mid-transfer, a lossy KV link, the router cut from Redis or from a
-decode host mid-stream. Each request still ends with exactly the single-process engine's
-tokens, and every worker ends with every KV block free (none quarantined)."""
+"""Network faults between separate hosts (Redis, the router, two prefill and two decode hosts;
+KV over tcp, and over NIXL too for the faults on the KV path): a partition mid-transfer, a
+lossy KV link, the router cut from Redis or from a decode host mid-stream. Each request still
+ends with exactly the single-process engine's tokens, and every worker ends with every KV
+block free (none quarantined)."""
 
 from __future__ import annotations
 
@@ -34,16 +35,28 @@ pytestmark = pytest.mark.skipif(
 MAX_TOKENS = 8
 
 
+# Faults on the KV path run for each backend; the router's own links carry no KV.
+EACH_KV_BACKEND = pytest.mark.parametrize("hosts", ["tcp", "nixl"], indirect=True)
+TCP_ONLY = pytest.mark.parametrize("hosts", ["tcp"], indirect=True)
+
+
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    with cluster_on_hosts("tcp", 2, 2, "--max-migrations", "1") as hosts:
+def hosts(request) -> Iterator[Hosts]:
+    with cluster_on_hosts(request.param, 2, 2, "--max-migrations", "1") as hosts:
         yield hosts
+
+
+def kv_bytes_received(hosts: Hosts) -> float:
+    backend = hosts.cluster.kv_backend
+    return sum(d.metric("pdserve_kv_transfer_bytes_total", backend=backend, direction="received")
+               for d in hosts.live("decode"))  # fmt: skip
 
 
 def assert_all_idle(hosts: Hosts) -> None:
     hosts.cluster.assert_idle(*hosts.live("prefill"), *hosts.live("decode"))
 
 
+@EACH_KV_BACKEND
 def test_a_prefill_host_cut_off_mid_transfer_is_fenced_and_the_request_retried(hosts, llm):
     (expected,) = greedy_tokens(llm, [CHUNKED_PROMPT], MAX_TOKENS)
     attempts = lambda outcome: sum(  # noqa: E731
@@ -84,24 +97,24 @@ def in_parallel(hosts: Hosts, prompts: list, max_tokens: int) -> list[list[int]]
         return [token_ids(call.result()) for call in calls]
 
 
+@EACH_KV_BACKEND
 def test_a_lossy_kv_link_under_eight_streams_loses_no_token(hosts, llm):
     # Prompts of a few hundred tokens: each request ships dozens of KV blocks over the link.
     prompts = [f"{p} " + " ".join(f"item {i} of {j}," for i in range(60)) for j, p in
                enumerate(PROMPTS)]  # fmt: skip
     expected = greedy_tokens(llm, prompts, MAX_TOKENS)
-    received_before = sum(d.metric("pdserve_kv_transfer_bytes_total", backend="tcp",
-                                   direction="received") for d in hosts.live("decode"))  # fmt: skip
+    received_before = kv_bytes_received(hosts)
     with ExitStack() as faults:
         prefill_hosts = [host_of(p) for p in hosts.live("prefill")]
         for decode in hosts.live("decode"):
             faults.enter_context(hosts.network.lossy(host_of(decode), *prefill_hosts, percent=1))
         assert in_parallel(hosts, prompts, MAX_TOKENS) == expected
-    received = sum(d.metric("pdserve_kv_transfer_bytes_total", backend="tcp",
-                            direction="received") for d in hosts.live("decode"))  # fmt: skip
-    assert received - received_before >= len(prompts) * 20 * 46080  # >= 20 blocks a request
+    # >= 20 blocks of fp32 KV a request
+    assert kv_bytes_received(hosts) - received_before >= len(prompts) * 20 * 737280
     assert_all_idle(hosts)
 
 
+@TCP_ONLY
 def test_the_router_cut_from_redis_serves_from_its_snapshot(hosts, llm):
     """For 10 s the router cannot read the registry: it keeps routing on the workers it last
     saw (which keep their entries fresh in Redis meanwhile) and counts the failed reads."""
@@ -120,6 +133,7 @@ def test_the_router_cut_from_redis_serves_from_its_snapshot(hosts, llm):
     assert_all_idle(hosts)
 
 
+@TCP_ONLY
 def test_a_decode_host_cut_from_the_router_mid_stream_has_its_requests_moved(hosts, llm):
     max_tokens = 48
     expected = greedy_tokens(llm, PROMPTS, max_tokens)
