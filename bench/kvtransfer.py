@@ -160,7 +160,7 @@ def _serve(conn: Connection, fill: int, host: Host | None) -> None:
         side.grpc_server.stop(grace=None)
 
 
-class _Process:
+class BenchProcess:
     """A bench process, on this machine's loopback or on a host of a pdserve.netns Network."""
 
     def __init__(self, fill: int, host: Host | None = None) -> None:
@@ -181,12 +181,12 @@ class _Process:
         self._process.join(timeout=30)
 
 
-def _gbps(num_bytes: int, seconds: list[float]) -> float:
+def gbps_of(num_bytes: int, seconds: list[float]) -> float:
     return round(num_bytes / statistics.median(seconds) / 1e9, 3)
 
 
-def _measure(
-    receiver: _Process, sender: _Process, method: str, request_id: str, size_mib: int
+def measure(
+    receiver: BenchProcess, sender: BenchProcess, method: str, request_id: str, size_mib: int
 ) -> float:
     if method == "grpc":
         return sender.call(timed_grpc, size_mib * MiB)
@@ -200,7 +200,7 @@ def _measure(
 
 def main() -> None:
     started = time.perf_counter()
-    receiver, sender = _Process(fill=0), _Process(fill=1)
+    receiver, sender = BenchProcess(fill=0), BenchProcess(fill=1)
     receiver.ready()
     sender.ready()
     metadata, grpc_port = receiver.call(start_receiver)
@@ -214,11 +214,11 @@ def main() -> None:
         for round_index in range(REPEATS[size_mib] + 1):
             for method in METHODS:
                 request_id = f"{method}-{size_mib}-{round_index}"
-                elapsed = _measure(receiver, sender, method, request_id, size_mib)
+                elapsed = measure(receiver, sender, method, request_id, size_mib)
                 if round_index > 0:
                     seconds[method].append(elapsed)
         for method in METHODS:
-            gbps[method][f"{size_mib}MiB"] = _gbps(size_mib * MiB, seconds[method])
+            gbps[method][f"{size_mib}MiB"] = gbps_of(size_mib * MiB, seconds[method])
     receiver.stop()
     sender.stop()
 

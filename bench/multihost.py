@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import kvtransfer
+from bench.kvtransfer import BenchProcess, MiB, connect, gbps_of, measure, start_receiver
 from pdserve.netns import Host, Network
 from pdserve.redis_server import RedisServer
 from pdserve.registry import Registry, WorkerInfo
@@ -54,30 +54,29 @@ KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 def measure_transfers(network: Network, sender_host: Host, receiver_host: Host) -> dict:
     """{backend: {placement: GB/s}} of TRANSFER_MIB transfers, the placements in turn."""
     pairs = {
-        "same_host": (kvtransfer._Process(fill=0), kvtransfer._Process(fill=1)),
-        "cross": (kvtransfer._Process(0, receiver_host), kvtransfer._Process(1, sender_host)),
+        "same_host": (BenchProcess(fill=0), BenchProcess(fill=1)),
+        "cross": (BenchProcess(0, receiver_host), BenchProcess(1, sender_host)),
     }
     for receiver, sender in pairs.values():
         receiver.ready()
         sender.ready()
-        metadata, _ = receiver.call(kvtransfer.start_receiver)
-        sender.call(kvtransfer.connect, metadata, 0)  # no gRPC sink used here
+        metadata, _ = receiver.call(start_receiver)
+        sender.call(connect, metadata, 0)  # no gRPC sink used here
     seconds: dict = {b: {p: [] for p in PLACEMENTS} for b in BACKENDS}
     for placement in PLACEMENTS:
         receiver, sender = pairs["same_host" if placement == "same_host" else "cross"]
-        limit = network.rate_limited(receiver_host, placement) if placement in LINKS else None
-        with limit or nullcontext():
+        limited = placement in LINKS
+        with network.rate_limited(receiver_host, placement) if limited else nullcontext():
             for repeat in range(TRANSFER_REPEATS + 1):  # the first: a warm-up
                 for backend in BACKENDS:
                     request_id = f"{backend}-{placement}-{repeat}"
-                    elapsed = kvtransfer._measure(receiver, sender, backend, request_id,
-                                                  TRANSFER_MIB)  # fmt: skip
+                    elapsed = measure(receiver, sender, backend, request_id, TRANSFER_MIB)
                     if repeat > 0:
                         seconds[backend][placement].append(elapsed)
     for pair in pairs.values():
         for process in pair:
             process.stop()
-    return {b: {p: kvtransfer._gbps(TRANSFER_MIB * kvtransfer.MiB, s) for p, s in by.items()}
+    return {b: {p: gbps_of(TRANSFER_MIB * MiB, s) for p, s in by.items()}
             for b, by in seconds.items()}  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,16 +63,19 @@ def sample_value(text: str, name: str, **labels: str) -> float:
 
 @dataclass
 class RouterProcess:
+    # Fixed: a router has its host (a network namespace) to itself.
+    HTTP_PORT: ClassVar[int] = 8000
+    GRPC_PORT: ClassVar[int] = 50051
     process: subprocess.Popen
     host: Host
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host.address}:8000"
+        return f"http://{self.host.address}:{self.HTTP_PORT}"
 
     @property
     def grpc_address(self) -> str:
-        return f"{self.host.address}:50051"
+        return f"{self.host.address}:{self.GRPC_PORT}"
 
     def metric(self, name: str, **labels: str) -> float:
         return metric(f"{self.http_url}/metrics", name, **labels)
@@ -170,12 +174,12 @@ class Cluster:
         return load.free_blocks == load.total_blocks and load.running_requests == 0
 
     def start_router(self, host: Host, *args: str) -> RouterProcess:
-        """`pdserve router` on host, once it serves (its ports are free there: a host is its
-        own network namespace)."""
+        """`pdserve router` on host, once it serves."""
         command = [
-            *PDSERVE, "router", "--redis-url", self.redis.url, "--http-port", "8000",
-            "--grpc-port", "50051", "--threads", "1", "--log-level", "warning",
-            "--host", host.address, *args,
+            *PDSERVE, "router", "--redis-url", self.redis.url, "--host", host.address,
+            "--http-port", str(RouterProcess.HTTP_PORT),
+            "--grpc-port", str(RouterProcess.GRPC_PORT),
+            "--threads", "1", "--log-level", "warning", *args,
         ]  # fmt: skip
         router = RouterProcess(subprocess.Popen(host.command(command)), host)
         self.routers.append(router)
