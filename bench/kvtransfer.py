@@ -32,6 +32,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from kvtransfer import KVAgent, KVLayout, create_agent  # noqa: E402
+from pdserve.netns import Host  # noqa: E402
 
 MiB = 1 << 20
 SIZES_MIB = (1, 16, 64, 256)
@@ -58,13 +59,16 @@ def _new_cache(fill: int) -> torch.Tensor:
 
 
 class _Side:
-    """What one bench process owns: an agent per backend, its cache, and (receiver) a gRPC sink."""
+    """What one bench process owns: an agent per backend, its cache, and (receiver) a gRPC sink.
+    The tcp agent listens on address."""
 
-    def __init__(self, fill: int) -> None:
+    def __init__(self, fill: int, address: str = "127.0.0.1") -> None:
         self.agents: dict[str, KVAgent] = {}
         for backend in ("nixl", "tcp"):
             cache = _new_cache(fill)
-            self.agents[backend] = create_agent(backend, f"bench-{backend}", cache, LAYOUT)
+            self.agents[backend] = create_agent(
+                backend, f"bench-{backend}", cache, LAYOUT, host=address
+            )
         self.grpc_sink = _new_cache(0).view(-1).view(torch.uint8).numpy()
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
@@ -139,8 +143,11 @@ def timed_memcpy(side: _Side, num_bytes: int) -> float:
     return time.perf_counter() - started
 
 
-def _serve(conn: Connection, fill: int) -> None:
-    side = _Side(fill)
+def _serve(conn: Connection, fill: int, host: Host | None) -> None:
+    if host is not None:  # before any agent exists: UCX reads its settings once
+        host.enter()
+        os.environ.update(host.environment)
+    side = _Side(fill, host.address if host else "127.0.0.1")
     conn.send("ready")
     while (message := conn.recv()) is not None:
         fn, args = message
@@ -153,11 +160,13 @@ def _serve(conn: Connection, fill: int) -> None:
         side.grpc_server.stop(grace=None)
 
 
-class _Process:
-    def __init__(self, fill: int) -> None:
+class BenchProcess:
+    """A bench process, on this machine's loopback or on a host of a pdserve.netns Network."""
+
+    def __init__(self, fill: int, host: Host | None = None) -> None:
         context = get_context("spawn")  # never fork: NIXL agents live in these processes
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, fill), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, fill, host), daemon=True)
         self._process.start()
 
     def ready(self) -> None:
@@ -172,12 +181,12 @@ class _Process:
         self._process.join(timeout=30)
 
 
-def _gbps(num_bytes: int, seconds: list[float]) -> float:
+def gbps_of(num_bytes: int, seconds: list[float]) -> float:
     return round(num_bytes / statistics.median(seconds) / 1e9, 3)
 
 
-def _measure(
-    receiver: _Process, sender: _Process, method: str, request_id: str, size_mib: int
+def measure(
+    receiver: BenchProcess, sender: BenchProcess, method: str, request_id: str, size_mib: int
 ) -> float:
     if method == "grpc":
         return sender.call(timed_grpc, size_mib * MiB)
@@ -191,7 +200,7 @@ def _measure(
 
 def main() -> None:
     started = time.perf_counter()
-    receiver, sender = _Process(fill=0), _Process(fill=1)
+    receiver, sender = BenchProcess(fill=0), BenchProcess(fill=1)
     receiver.ready()
     sender.ready()
     metadata, grpc_port = receiver.call(start_receiver)
@@ -205,11 +214,11 @@ def main() -> None:
         for round_index in range(REPEATS[size_mib] + 1):
             for method in METHODS:
                 request_id = f"{method}-{size_mib}-{round_index}"
-                elapsed = _measure(receiver, sender, method, request_id, size_mib)
+                elapsed = measure(receiver, sender, method, request_id, size_mib)
                 if round_index > 0:
                     seconds[method].append(elapsed)
         for method in METHODS:
-            gbps[method][f"{size_mib}MiB"] = _gbps(size_mib * MiB, seconds[method])
+            gbps[method][f"{size_mib}MiB"] = gbps_of(size_mib * MiB, seconds[method])
     receiver.stop()
     sender.stop()
 

@@ -27,7 +27,7 @@ from engine import InvalidRequestError, SamplingParams
 from engine.engine_loop import RequestStream
 from engine.errors import EngineDiedError
 from engine.request import Request
-from pdserve import grpc_convert
+from pdserve import grpc_convert, keepalive
 from pdserve.grpc_convert import CallerGoneError, DeadlineExceededError, PrefillFailedError
 from pdserve.tls import open_channel
 from pdserve.v1 import generation_pb2 as pb
@@ -325,7 +325,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillStub:
         with self._lock:
             if address not in self._channels:
-                channel = open_channel(address, self.runtime.settings.tls)
+                channel = open_channel(
+                    address, self.runtime.settings.tls, keepalive.CHANNEL_OPTIONS
+                )
                 self._channels[address] = worker_pb2_grpc.PrefillStub(channel)
             return self._channels[address]
 

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 
 import redis
 
@@ -38,14 +39,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """Starts redis-server on a free loopback port; stop() ends it. No persistence."""
+    """Starts redis-server on a free loopback port; stop() ends it. No persistence.
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+    launcher: a command prefix to run it under (pdserve.netns's Host.command([]) runs it on
+    another host: give its port then, as no free one can be looked up from here)."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int | None = None, launcher: Sequence[str] = ()
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         self.process = subprocess.Popen(
-            [redis_binary(), "--bind", host, "--port", str(self.port), "--save", "",
+            [*launcher, redis_binary(), "--bind", host, "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", self._dir.name],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

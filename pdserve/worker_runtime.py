@@ -21,7 +21,7 @@ from engine import LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineDiedError
 from engine.llm_engine import EngineStats
-from pdserve import phase
+from pdserve import keepalive, phase
 from pdserve.kv_events import CacheEventPublisher
 from pdserve.registry import Heartbeat, Registry, Role, WorkerInfo, WorkerLoad
 from pdserve.tls import server_credentials
@@ -103,7 +103,7 @@ class WorkerRuntime:
         num_threads = settings.max_concurrent_rpcs + _SPARE_RPC_THREADS
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"{settings.role}-rpc"),
-            options=[("grpc.max_receive_message_length", 64 << 20)],
+            options=[("grpc.max_receive_message_length", 64 << 20), *keepalive.SERVER_OPTIONS],
             maximum_concurrent_rpcs=num_threads,  # never more than there are threads for
         )
         self.port = 0

@@ -61,6 +61,11 @@ KV_EVENT_RESYNCS = Counter(
     "pdserve_router_kv_event_resyncs_total",
     "Workers' prefix-cache streams read afresh after a gap in their entry numbers",
 )
+REGISTRY_REFRESH_FAILURES = Counter(
+    "pdserve_router_registry_refresh_failures_total",
+    "Reads of the worker registry that failed (Redis down or unreachable): the router routes "
+    "on its last snapshot meanwhile",
+)
 ROUTER_REPLICAS = Gauge(
     "pdserve_router_replicas", "Router replicas this router hears from, itself included"
 )

@@ -16,6 +16,7 @@ import uvicorn
 from engine.model_files import resolve_model
 from engine.tokenizer import TextTokenizer
 from pdserve.registry import Registry
+from router import metrics
 from router.admission import Admission
 from router.gateway import Gateway
 from router.grpc_api.server import PublicGrpcServer
@@ -107,6 +108,7 @@ class RouterServer:
         try:
             await self.pool.refresh(self.registry)
         except redis.RedisError as e:  # keep routing on the last snapshot until Redis is back
+            metrics.REGISTRY_REFRESH_FAILURES.inc()
             log.warning("registry refresh failed: %s", e)
         self.admission.dispatch()  # capacity may have changed
         ready = self.pool.serving()  # P + D pools, or aggregated workers

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve import keepalive
 from pdserve.tls import TLSFiles, channel_credentials
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker.v1 import worker_pb2_grpc
@@ -18,7 +19,7 @@ from router.errors import (
     WorkerLostError,
 )
 
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), *keepalive.CHANNEL_OPTIONS]
 
 
 class DecodeClient:

@@ -1,4 +1,5 @@
-"""Real processes for end-to-end tests: a Redis server and pdserve workers on loopback."""
+"""Real processes for end-to-end tests: a Redis server and pdserve workers on loopback, or each
+on its own host of a pdserve.netns Network (with a router process there too)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.netns import Host
 from pdserve.redis_server import RedisServer
 from pdserve.registry import Registry, WorkerInfo
 from tests.waiting import wait_until
@@ -24,6 +27,7 @@ class WorkerProcess:
     worker_id: str
     process: subprocess.Popen
     info: WorkerInfo | None = None
+    host: Host | None = None  # None: this machine's loopback
 
     @property
     def address(self) -> str:
@@ -58,6 +62,31 @@ def sample_value(text: str, name: str, **labels: str) -> float:
 
 
 @dataclass
+class RouterProcess:
+    # Fixed: a router has its host (a network namespace) to itself.
+    HTTP_PORT: ClassVar[int] = 8000
+    GRPC_PORT: ClassVar[int] = 50051
+    process: subprocess.Popen
+    host: Host
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host.address}:{self.HTTP_PORT}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host.address}:{self.GRPC_PORT}"
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(f"{self.http_url}/metrics", name, **labels)
+
+
+def on_host(host: Host | None) -> list[str]:
+    """A server's flags to bind, and be known by, host's address."""
+    return [] if host is None else ["--host", host.address, "--advertise-host", host.address]
+
+
+@dataclass
 class Cluster:
     kv_backend: str = "tcp"
     registry_ttl_s: float = 2.0
@@ -66,23 +95,28 @@ class Cluster:
     extra_args: list[str] = field(default_factory=list)
     redis: RedisServer = field(default_factory=RedisServer)
     workers: list[WorkerProcess] = field(default_factory=list)
+    routers: list[RouterProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.registry = Registry(self.redis.url)
 
     def start(
-        self, role: str, *args: str, wait: bool = True, program: tuple[str, ...] = PDSERVE
-    ) -> WorkerProcess:
-        """program: how to run `pdserve` (tests/workers/faulty_worker.py injects faults)."""
-        worker_id = f"{role}-{len(self.workers)}"
+        self, role: str, *args: str, wait: bool = True, program: tuple[str, ...] = PDSERVE,
+        host: Host | None = None, worker_id: str | None = None,
+    ) -> WorkerProcess:  # fmt: skip
+        """program: how to run `pdserve` (tests/workers/faulty_worker.py injects faults);
+        host: where (it binds and advertises that host's address); worker_id: a dead worker's,
+        for one restarted in its place."""
+        worker_id = worker_id or f"{role}-{len(self.workers)}"
         command = [
             *program, role, "--redis-url", self.redis.url,
             "--port", "0", "--metrics-port", "0", "--threads", "1", "--worker-id", worker_id,
             "--kv-backend", self.kv_backend, "--registry-ttl-s", str(self.registry_ttl_s),
             "--quantization", self.quantization, "--no-warmup", "--log-level", "warning",
-            *self.extra_args, *args,
+            *on_host(host), *self.extra_args, *args,
         ]  # fmt: skip
-        worker = WorkerProcess(role, worker_id, subprocess.Popen(command))
+        process = subprocess.Popen(host.command(command) if host else command)
+        worker = WorkerProcess(role, worker_id, process, host=host)
         self.workers.append(worker)
         if wait:
             self.wait_registered(worker)
@@ -125,7 +159,47 @@ class Cluster:
             message=f"no heartbeat from {worker.worker_id} after {since:.3f}",
         ).load  # fmt: skip
 
+    def assert_idle(self, *workers: WorkerProcess) -> None:
+        """Every block free again, on every worker kind, and none quarantined."""
+        for worker in workers:
+            wait_until(
+                lambda w=worker: self._is_idle(w), timeout_s=120,
+                message=f"{worker.worker_id} never went idle",
+            )  # fmt: skip
+            assert worker.metric("pdserve_kv_blocks_quarantined") == 0
+            assert worker.process.poll() is None, f"{worker.worker_id} died"
+
+    def _is_idle(self, worker: WorkerProcess) -> bool:
+        load = self.load(worker)
+        return load.free_blocks == load.total_blocks and load.running_requests == 0
+
+    def start_router(self, host: Host, *args: str) -> RouterProcess:
+        """`pdserve router` on host, once it serves."""
+        command = [
+            *PDSERVE, "router", "--redis-url", self.redis.url, "--host", host.address,
+            "--http-port", str(RouterProcess.HTTP_PORT),
+            "--grpc-port", str(RouterProcess.GRPC_PORT),
+            "--threads", "1", "--log-level", "warning", *args,
+        ]  # fmt: skip
+        router = RouterProcess(subprocess.Popen(host.command(command)), host)
+        self.routers.append(router)
+
+        def serving() -> bool:
+            if router.process.poll() is not None:
+                raise RuntimeError(f"the router exited with {router.process.returncode}")
+            try:
+                return urllib.request.urlopen(f"{router.http_url}/health", timeout=2).status == 200
+            except OSError:  # not listening yet, or 503 until it sees both pools
+                return False
+
+        wait_until(serving, timeout_s=120, interval_s=0.2, message="the router never served")
+        return router
+
     def stop(self) -> None:
+        for router in self.routers:
+            if router.process.poll() is None:
+                router.process.kill()
+                router.process.wait(timeout=30)
         for worker in self.workers:
             if worker.process.poll() is None:
                 worker.process.kill()

@@ -36,21 +36,6 @@ def stub_of(worker) -> worker_pb2_grpc.DecodeStub:
     return worker_pb2_grpc.DecodeStub(grpc.insecure_channel(worker.address))
 
 
-def assert_idle(cluster: Cluster, *workers) -> None:
-    """Every block free again, on every worker kind, and none quarantined."""
-    for worker in workers:
-        wait_until(
-            lambda w=worker: _is_idle(cluster, w), timeout_s=120, message="the worker went idle"
-        )
-        assert worker.metric("pdserve_kv_blocks_quarantined") == 0
-        assert worker.process.poll() is None, f"{worker.worker_id} died"
-
-
-def _is_idle(cluster: Cluster, worker) -> bool:
-    load = cluster.load(worker)
-    return load.free_blocks == load.total_blocks and load.running_requests == 0
-
-
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_cancels_during_remote_prefill_never_corrupt_other_requests(backend, llm):
     """Clients give up at random moments of their long prompts' prefill (16 per backend, 32 in
@@ -100,7 +85,7 @@ def test_cancels_during_remote_prefill_never_corrupt_other_requests(backend, llm
         assert num_cancelled >= 8  # most were cancelled before their 4 tokens came out
         # The cancels reached the prefill worker, which dropped the work (not just the decode).
         assert prefill.metric("pdserve_prefill_requests_total", outcome="aborted") >= 1
-        assert_idle(cluster, decode, prefill)
+        cluster.assert_idle(decode, prefill)
     finally:
         cluster.stop()
 
@@ -155,7 +140,7 @@ def test_a_stopped_prefill_worker_costs_the_request_its_deadline_not_forever(bac
             prefill.process.send_signal(signal.SIGCONT)
         # Blocks the stopped writer could still reach stay quarantined until it resumes and
         # confirms; then everything is free, and the next request is served as usual.
-        assert_idle(cluster, decode, prefill)
+        cluster.assert_idle(decode, prefill)
         messages = list(stub.Generate(decode_request(SHORT_PROMPTS[0], prefill), timeout=300))
         assert token_ids(messages) == llm.generate([SHORT_PROMPTS[0]], _greedy(8))[0].token_ids
     finally:
@@ -185,10 +170,10 @@ def test_past_max_num_seqs_and_the_rpc_limit_callers_get_resource_exhausted(tcp_
         assert busy.value.details() == details
         for stream in running:
             stream.cancel()
-        assert_idle(tcp_cluster, decode)
+        tcp_cluster.assert_idle(decode)
         # Capacity is back: the refused request is served now.
         assert len(token_ids(list(stub.Generate(decode_request(SHORT_PROMPTS[2], prefill))))) == 8
-    assert_idle(tcp_cluster, prefill)
+    tcp_cluster.assert_idle(prefill)
 
 
 def _greedy(max_tokens: int):
