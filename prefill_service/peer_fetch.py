@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,38 +15,13 @@ from engine.errors import EngineStoppedError
 from pdserve.worker.v1 import worker_pb2 as wpb
 from pdserve.worker_runtime import WorkerRuntime
 from prefill_service import metrics
+from prefill_service.request_path import FetchCosts, plan_prefix_fetch
 
 log = logging.getLogger(__name__)
 
-# Before a read has been measured: half what the tcp backend moves here (~2 GB/s; NIXL ~4).
-PRIOR_KV_BYTES_PER_S = 1e9
-# Smaller reads time their round trips (request, grant, ack), not the bandwidth.
-MIN_MEASURED_BYTES = 1 << 20
 # A fetch is given as long as computing its tokens would take, and at least this: past it,
 # computing them is the faster way after all.
 MIN_FETCH_WAIT_S = 1.0
-
-
-@dataclass(slots=True)
-class FetchCosts:
-    """Seconds to move a prefix's KV (measured reads, a prior before any) against seconds to
-    compute it (the engine's measured prefill tokens/s)."""
-
-    kv_bytes_per_token: float
-    kv_bytes_per_s: float = PRIOR_KV_BYTES_PER_S
-
-    def transfer_s(self, num_tokens: int) -> float:
-        return num_tokens * self.kv_bytes_per_token / self.kv_bytes_per_s
-
-    @staticmethod
-    def compute_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
-        # Not measured yet (no prefill of 64+ tokens ran): computing counts as the slow way.
-        return num_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
-
-    def record(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes >= MIN_MEASURED_BYTES and seconds > 0:
-            self.kv_bytes_per_s = 0.8 * self.kv_bytes_per_s + 0.2 * num_bytes / seconds
-            metrics.PEER_FETCH_BYTES_PER_S.set(self.kv_bytes_per_s)
 
 
 @dataclass(slots=True)
@@ -75,10 +49,16 @@ class PrefixFetcher:
         worth it; held, they and our hits are what the request's prefix match then finds."""
         if not (self.runtime.settings.peer_fetch and dest.cached_blocks_readable):
             return Fetched()
-        reserved = self.runtime.loop.call(lambda: self._reserve(prompt, dest.num_cached_blocks))
-        if reserved is None:
+        plan = self.runtime.loop.call(lambda: plan_prefix_fetch(
+            self.engine, prompt, dest.num_cached_blocks, self.costs,
+            self.runtime.loop.stats.prefill_tokens_per_s,
+        ))  # fmt: skip
+        if plan is None:
             return Fetched()
-        own_ids, dst_ids = reserved
+        if plan.refused is not None:
+            metrics.PEER_FETCHES.labels(plan.refused).inc()
+            return Fetched()
+        own_ids, dst_ids = plan.own_ids, plan.dst_ids
         fetched = Fetched(held_block_ids=own_ids)
         first = len(own_ids)
         src_ids = list(dest.block_ids[first : first + len(dst_ids)])
@@ -97,7 +77,8 @@ class PrefixFetcher:
             fetched.seconds = time.monotonic() - started
             return fetched
         fetched.seconds = time.monotonic() - started
-        self.costs.record(handle.num_bytes, fetched.seconds)
+        if self.costs.record(handle.num_bytes, fetched.seconds):
+            metrics.PEER_FETCH_BYTES_PER_S.set(self.costs.kv_bytes_per_s)
         self.runtime.loop.call(lambda: self.engine.kv.cache_prompt_blocks(prompt, first, dst_ids))
         metrics.PEER_FETCHES.labels("ok").inc()
         fetched.num_tokens = num_tokens
@@ -124,23 +105,5 @@ class PrefixFetcher:
         with contextlib.suppress(EngineStoppedError):  # the process is going away
             self.runtime.loop.post(lambda: self.engine.kv.release(block_ids))
 
-    def _reserve(
-        self, prompt: list[int], num_held_blocks: int
-    ) -> tuple[list[int], list[int]] | None:
-        """Engine thread: (our hits, blocks to fill), or None when nothing is worth reading."""
-        own_ids = self.engine.kv.cached_prefix(prompt)
-        num_blocks = num_held_blocks - len(own_ids)
-        if num_blocks <= 0:
-            return None
-        num_tokens = num_blocks * self.block_size
-        if self.costs.transfer_s(num_tokens) >= self._compute_s(num_tokens):
-            metrics.PEER_FETCHES.labels("slower").inc()
-            return None
-        dst_ids = self.engine.reserve_prefix_fetch(own_ids, num_blocks)
-        if dst_ids is None:
-            metrics.PEER_FETCHES.labels("no_room").inc()
-            return None
-        return own_ids, dst_ids
-
     def _compute_s(self, num_tokens: int) -> float:
-        return self.costs.compute_s(num_tokens, self.runtime.loop.stats.prefill_tokens_per_s)
+        return FetchCosts.compute_s(num_tokens, self.runtime.loop.stats.prefill_tokens_per_s)

@@ -1,13 +1,24 @@
 """The Prefill RPC's rules, apart from gRPC and KV transfer so that the simulator runs them
-too: what the first token is sampled with, and which prompt blocks are final and leave."""
+too: what the first token is sampled with, which prompt blocks are final and leave, and
+whether to read a prefix the decode worker holds instead of computing it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+# Before a read has been measured: half what the tcp backend moves here (~2 GB/s; NIXL ~4).
+PRIOR_KV_BYTES_PER_S = 1e9
+# Smaller reads time their round trips (request, grant, ack), not the bandwidth.
+MIN_MEASURED_BYTES = 1 << 20
 
 
 def first_token_params(asked: SamplingParams, num_prior_output_tokens: int) -> SamplingParams:
@@ -43,3 +54,59 @@ class Shipment:
         kv.hold(request.block_ids[final])
         self.num_sent_blocks = num_final
         return final
+
+
+@dataclass(slots=True)
+class FetchCosts:
+    """Seconds to move a prefix's KV (measured reads, a prior before any) against seconds to
+    compute it (the engine's measured prefill tokens/s)."""
+
+    kv_bytes_per_token: float
+    kv_bytes_per_s: float = PRIOR_KV_BYTES_PER_S
+
+    def transfer_s(self, num_tokens: int) -> float:
+        return num_tokens * self.kv_bytes_per_token / self.kv_bytes_per_s
+
+    @staticmethod
+    def compute_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
+        # Not measured yet (no prefill of 64+ tokens ran): computing counts as the slow way.
+        return num_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
+
+    def record(self, num_bytes: int, seconds: float) -> bool:
+        """Takes a read's rate into the estimate; False when it was too small to count."""
+        if num_bytes < MIN_MEASURED_BYTES or seconds <= 0:
+            return False
+        self.kv_bytes_per_s = 0.8 * self.kv_bytes_per_s + 0.2 * num_bytes / seconds
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """A prefix read from the decode worker: our own hits (referenced) and the blocks reserved
+    to fill after them, both held until the request ends; or why it is computed instead."""
+
+    own_ids: list[int] = field(default_factory=list)
+    dst_ids: list[int] = field(default_factory=list)
+    refused: str | None = None  # "slower" (moving it would take longer) | "no_room"
+
+
+def plan_prefix_fetch(
+    engine: LLMEngine,
+    prompt: list[int],
+    num_held_blocks: int,
+    costs: FetchCosts,
+    prefill_tokens_per_s: float,
+) -> FetchPlan | None:
+    """Engine thread: what to read of the num_held_blocks prompt blocks the decode worker
+    holds, past our own prefix hits; None when it holds nothing more than we do."""
+    own_ids = engine.kv.cached_prefix(prompt)
+    num_blocks = num_held_blocks - len(own_ids)
+    if num_blocks <= 0:
+        return None
+    num_tokens = num_blocks * engine.kv.block_size
+    if costs.transfer_s(num_tokens) >= costs.compute_s(num_tokens, prefill_tokens_per_s):
+        return FetchPlan(refused="slower")
+    dst_ids = engine.reserve_prefix_fetch(own_ids, num_blocks)
+    if dst_ids is None:
+        return FetchPlan(refused="no_room")
+    return FetchPlan(own_ids, dst_ids)

@@ -21,7 +21,7 @@ from engine.request import Request, StepOutput
 from pdserve.kv_events import BATCH_S, CacheStream
 from pdserve.lengths import LENGTH_BUCKETS
 from pdserve.registry import ROLES, Role, WorkerInfo
-from prefill_service.request_path import Shipment, first_token_params
+from prefill_service.request_path import Shipment, first_token_params, plan_prefix_fetch
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway, excluding
@@ -454,18 +454,21 @@ class Simulation:
                               decode: SimWorker, sink: _Sink) -> list[Request]:  # fmt: skip
         """DecodeService._generate + PrefillService._prefill: reserve KV on the decode worker,
         prefill elsewhere with the blocks shipped as they finish, then commit."""
-        hop, rid = self.cost.hop_s, request.request_id
+        hop, rid, prompt = self.cost.hop_s, request.request_id, request.prompt_token_ids
         await decode.between_steps()
-        reserved = decode.engine.reserve_for_remote_prefill(rid, request.prompt_token_ids, params)
+        reserved = decode.engine.reserve_for_remote_prefill(rid, prompt, params)
+        num_held_blocks = decode.engine.kv.first_remote_block(reserved)
         prefill = self.workers[lease.prefill.worker_id]
         await asyncio.sleep(hop)  # decode -> prefill: the Prefill RPC
-        transfer = _Transfer(Shipment(decode.engine.kv.first_remote_block(reserved)))
+        transfer = _Transfer(Shipment(num_held_blocks))
+        transfer.held_block_ids += await self._fetch_prefix(prefill, prompt, num_held_blocks)
         finished: asyncio.Future[StepOutput] = self.loop.create_future()
         await prefill.between_steps()
         try:
-            prefill_request = prefill.engine.add_request(rid, request.prompt_token_ids,
+            prefill_request = prefill.engine.add_request(rid, prompt,
                                                          first_token_params(params, 0))  # fmt: skip
         except engine_errors.EngineError:
+            prefill.engine.kv.release(transfer.held_block_ids)
             decode.engine.abort_request(rid)
             raise
         self._transfers[rid] = transfer
@@ -483,6 +486,25 @@ class Simulation:
         first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
         sink.on_output(first, self.loop.time())
         return [reserved, prefill_request]
+
+    async def _fetch_prefix(self, prefill: SimWorker, prompt: list[int],
+                            num_held_blocks: int) -> list[int]:  # fmt: skip
+        """PrefixFetcher.fetch: the prefix blocks the decode worker holds past the prefill
+        worker's own hits are read over the link when that beats computing them (the same
+        plan_prefix_fetch); the blocks are held until the request ends, as the service holds
+        them. Returns them."""
+        await prefill.between_steps()
+        plan = plan_prefix_fetch(prefill.engine, prompt, num_held_blocks, prefill.fetch_costs,
+                                 prefill.stats.prefill_tokens_per_s)  # fmt: skip
+        if plan is None or plan.refused is not None:
+            return []
+        num_tokens = len(plan.dst_ids) * prefill.engine.kv.block_size
+        seconds = self.cost.kv_transfer_s(num_tokens)
+        await asyncio.sleep(seconds)
+        prefill.fetch_costs.record(num_tokens * self.cost.kv_bytes_per_token, seconds)
+        await prefill.between_steps()
+        prefill.engine.kv.cache_prompt_blocks(prompt, len(plan.own_ids), plan.dst_ids)
+        return plan.own_ids + plan.dst_ids
 
     def _ship(self, worker: SimWorker, request: Request) -> None:
         """PrefillService._ship_finished_blocks on the engine thread after a step: the blocks

@@ -58,6 +58,9 @@ class CostModel(Protocol):
     model: ModelConfig
     hop_s: float  # one message between two processes (client, router, workers)
 
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
     def step_s(self, shape: StepShape) -> float: ...
 
     def kv_transfer_s(self, num_tokens: int) -> float: ...
@@ -121,8 +124,12 @@ class LocalCost:
             + c.per_decode_context_s * shape.decode_context
         )
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.coefficients.kv_bytes_per_token
+
     def kv_transfer_s(self, num_tokens: int) -> float:
-        num_bytes = num_tokens * self.coefficients.kv_bytes_per_token
+        num_bytes = num_tokens * self.kv_bytes_per_token
         return self.kv_latency_s + num_bytes / self.kv_bytes_per_s
 
 

@@ -12,6 +12,7 @@ from engine.request import StepOutput
 from engine.scheduler import ScheduledRequest
 from pdserve.registry import Role, WorkerInfo
 from pdserve.worker_runtime import registry_entry
+from prefill_service.request_path import FetchCosts
 from sim.costs import CostModel, StepShape
 
 OUTPUT_TOKEN_ID = 100  # every generated token; requests set ignore_eos, so length decides
@@ -114,6 +115,7 @@ class SimWorker:
             runner=self.runner, clock=self.clock,  # type: ignore[arg-type]
         )  # fmt: skip
         self.listeners: dict[str, Callable[[StepOutput], None]] = {}
+        self.fetch_costs = FetchCosts(cost.kv_bytes_per_token)  # reading a peer's prefix
         self.stats = self.engine.stats()
         self.timeline = Timeline()
         self.num_steps = 0
@@ -142,7 +144,7 @@ class SimWorker:
         stamped as Registry.publish stamps it."""
         entry = registry_entry(
             self.engine, self.stats, role=self.spec.kind, worker_id=self.worker_id,
-            address=f"sim://{self.worker_id}", metrics_url="", kv_backend="sim", peer_fetch=False,
+            address=f"sim://{self.worker_id}", metrics_url="", kv_backend="sim", peer_fetch=True,
         )  # fmt: skip
         return replace(entry, updated_at=self.loop.time())
 

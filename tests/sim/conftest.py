@@ -29,6 +29,7 @@ class LinearCost:
     per_decode_s: float = 0.002
     transfer_s: float = 0.005
     hop_s: float = 0.001
+    kv_bytes_per_token: int = 4096
     model: ModelConfig = field(default=TINY_MODEL)
 
     def step_s(self, shape: StepShape) -> float:

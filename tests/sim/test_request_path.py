@@ -13,7 +13,13 @@ from engine import EngineConfig, SamplingParams
 from engine.request import Request
 from pdserve.registry import WorkerInfo, WorkerLoad
 from pdserve.worker_runtime import registry_entry
-from prefill_service.request_path import Shipment, first_token_params
+from prefill_service.request_path import (
+    FetchCosts,
+    FetchPlan,
+    Shipment,
+    first_token_params,
+    plan_prefix_fetch,
+)
 from router.gateway import excluding
 from router.settings import AdmissionSettings
 from router.workers import WorkerPool
@@ -21,7 +27,7 @@ from sim.clock import VirtualTimeLoop, run_virtual
 from sim.cluster import ClusterConfig, Simulation
 from sim.scenario import Scenario, simulate
 from sim.worker import SimWorker, WorkerSpec
-from sim.workload import ClosedLoop, LengthMix, SimRequest
+from sim.workload import ClosedLoop, LengthMix, Sequential, SimRequest
 from tests.router import router_harness as harness
 from tests.sim.conftest import LinearCost, pd_cluster
 
@@ -163,12 +169,12 @@ def test_a_registry_entry_carries_the_engine_limits_and_its_stats_snapshot(
                         free_blocks=num_blocks, total_blocks=num_blocks),
         peer_fetch=True,
     )  # fmt: skip
-    # What a simulated worker publishes is that entry, stamped with the virtual time.
+    # What a simulated worker publishes is that entry, stamped with the virtual time (it reads
+    # a peer's prefix, as workers do by default).
     worker.stats = stats
     assert worker.info() == replace(
-        entry, address="sim://p0", metrics_url="", kv_backend="sim", peer_fetch=False,
-        updated_at=0.0,
-    )  # fmt: skip
+        entry, address="sim://p0", metrics_url="", kv_backend="sim", updated_at=0.0
+    )
     # The requests it takes at once: its RPC limit, and a decode worker's max_num_seqs too.
     limits = {
         (role, rpcs): registry_entry(engine, stats, role=role, worker_id="w", address="a",
@@ -263,3 +269,44 @@ def test_the_simulated_routers_learn_every_workers_cache_from_its_stream_entries
     assert len(cached[prefill]) == 12
     assert cached["d0"] == cached[prefill]
     assert cached[other] == frozenset()
+
+
+def test_a_prefix_the_decode_worker_holds_past_our_hits_is_read_when_that_is_faster(
+    loop: VirtualTimeLoop,
+):
+    worker = _worker(loop, WorkerSpec("p0", "prefill"))
+    engine = worker.engine
+    prompt = list(range(1000, 1300))
+    engine.add_request("a", prompt[:81], GREEDY)  # caches the first 5 blocks (80 tokens)
+    _run_to_end(worker)
+    fast = FetchCosts(kv_bytes_per_token=4096, kv_bytes_per_s=1e12)
+    plan = plan_prefix_fetch(engine, prompt, 12, fast, prefill_tokens_per_s=100.0)
+    assert plan is not None and (len(plan.own_ids), len(plan.dst_ids), plan.refused) == (5, 7, None)
+    assert plan.own_ids == engine.kv.cached_prefix(prompt)
+    engine.kv.release(plan.own_ids + plan.dst_ids)  # as the request's end does
+    engine.kv.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    slow = FetchCosts(kv_bytes_per_token=4096, kv_bytes_per_s=1.0)
+    assert plan_prefix_fetch(engine, prompt, 12, slow, 100.0) == FetchPlan(refused="slower")
+    assert plan_prefix_fetch(engine, prompt, 5, fast, 100.0) is None  # nothing past our hits
+
+
+def test_the_simulated_prefill_reads_the_prefix_it_lost_from_the_decode_worker():
+    """A 300-token prompt, another that evicts it from the prefill worker's small pool (its
+    first blocks first, so no prefix of it is left), then the first again: the decode worker
+    still holds its 18 full blocks, so the prefill worker reads them (288 tokens) by the plan
+    the service makes, computes only the last 12 tokens in one step, and ships the last
+    block."""
+    log = SendLog()
+    config = ClusterConfig(
+        (WorkerSpec("p0", "prefill"), WorkerSpec("d0", "decode")),
+        EngineConfig(chunk_size=128, num_blocks=24), EngineConfig(),
+    )  # fmt: skip
+    first, other = list(range(1000, 1300)), list(range(5000, 5300))
+    turns = [[SimRequest(name, prompt, 2)] for name, prompt in
+             (("a", first), ("b", other), ("a-again", first))]  # fmt: skip
+    scenario = Scenario("fetch", config, PROMPT_300, ClosedLoop(1, 3))
+    result = simulate(scenario, log, source=Sequential(turns))
+    assert [r.status for r in result.records] == [200, 200, 200]
+    assert log.sent_tokens == [128, 128, 48, 128, 128, 48, 288, 16]
+    assert result.workers["p0"].num_steps == 3 + 3 + 1
