@@ -28,6 +28,7 @@ from tests.multihost.conftest import (
     host_of,
     token_ids,
 )
+from tests.workers.calls import PROMPTS
 
 pytestmark = pytest.mark.skipif(
     faults_unavailable_reason() is not None, reason=f"{faults_unavailable_reason()}"
@@ -76,18 +77,6 @@ def test_a_prefill_host_cut_off_mid_transfer_is_fenced_and_the_request_retried(h
     assert token_ids(messages) == expected
     assert attempts("failed") == failed_before + 1  # then the other prefill host's attempt
     assert_all_idle(hosts)
-
-
-PROMPTS = [
-    "The capital of France is",
-    "def add(a, b):\n    return",
-    "Once upon a time, in a small village,",
-    "The three primary colours are",
-    "Water boils at a temperature of",
-    "Translate to French: good morning, my friend.",
-    "A list of prime numbers: 2, 3, 5,",
-    "The quick brown fox",
-]
 
 
 def in_parallel(hosts: Hosts, prompts: list, max_tokens: int) -> list[list[int]]:

@@ -30,19 +30,10 @@ from router.gateway import Gateway
 from router.settings import RouterSettings, RoutingSettings
 from tests.cluster import Cluster, WorkerProcess
 from tests.waiting import wait_until
+from tests.workers.calls import PROMPTS
 
 DEADLINE_S = 3.0
 MAX_TOKENS = 32
-PROMPTS = [
-    "The capital of France is",
-    "def add(a, b):\n    return",
-    "Once upon a time, in a small village,",
-    "The three primary colours are",
-    "Water boils at a temperature of",
-    "Translate to French: good morning, my friend.",
-    "A list of prime numbers: 2, 3, 5,",
-    "The quick brown fox",
-]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,17 @@ LONG_PROMPT = " ".join(
     for i in range(70)
 )
 LONG = [(13 * i) % 5000 + 200 for i in range(3000)]
+# Eight short prompts, for tests that send a batch of streams at once.
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a small village,",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+    "Translate to French: good morning, my friend.",
+    "A list of prime numbers: 2, 3, 5,",
+    "The quick brown fox",
+]
 
 
 def generate(decode_address: str, prompt_ids: list[int], prefill_address: str = "", **params):
