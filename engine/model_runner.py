@@ -5,6 +5,8 @@ sampled next tokens."""
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,17 @@ ENGINE_ATTENTION = Gauge(
     "pdserve_engine_attention_info", "Attention backend and CUDA graphs in use (1)",
     ["backend", "cuda_graphs"],
 )  # fmt: skip
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU it is an anonymous mapping, which the OS fills with zero
+    pages as they are first written: a KV pool costs memory and time as its blocks are used,
+    where torch.zeros writes every byte up front (~0.5-1 s for the default pool, on every
+    engine start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -74,10 +87,9 @@ class ModelRunner:
         # One block past the pool: the scratch block, where padded decode rows of a CUDA graph
         # read and write. The pool, the engine and the KV transfer only see kv_cache.
         int8_kv = config.kv_cache_dtype == "int8"
-        self._kv_storage = torch.zeros(
-            config.num_blocks + 1, mc.num_layers, 2, config.block_size, mc.num_kv_heads,
-            row_width(mc.head_dim, int8_kv), dtype=torch.int8 if int8_kv else self.dtype,
-            device=self.device,
+        self._kv_storage = zeros(
+            (config.num_blocks + 1, mc.num_layers, 2, config.block_size, mc.num_kv_heads,
+             row_width(mc.head_dim, int8_kv)), torch.int8 if int8_kv else self.dtype, self.device,
         )  # fmt: skip
         self.kv_cache = self._kv_storage[: config.num_blocks]
         self.scratch_block = config.num_blocks
