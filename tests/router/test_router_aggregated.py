@@ -118,8 +118,9 @@ def test_n_samples_on_the_aggregated_worker(up, llm):
 def test_mixed_cluster_sends_short_prompts_whole_and_longer_ones_split(up, llm, reference):
     workers = Cluster(redis=_Attached(up.redis_url))  # type: ignore[arg-type]
     try:
-        prefill = workers.start("prefill", "--chunk-size", "128")
-        decode = workers.start("decode")
+        prefill = workers.start("prefill", "--chunk-size", "128", wait=False)
+        decode = workers.start("decode", wait=False)
+        workers.wait_all_registered()
         up.wait_for_workers({"prefill": 1, "decode": 1, "aggregated": 1})
         short, medium = llm.tokenizer.encode(SHORT), llm.tokenizer.encode(MEDIUM)
         routed = lambda role, worker: up.metric(  # noqa: E731

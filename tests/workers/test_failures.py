@@ -65,9 +65,10 @@ def kill_when_prefilling(worker) -> Killer:
 
 
 def test_a_killed_prefill_worker_is_retried_on_another(tcp_cluster, llm):
-    doomed = tcp_cluster.start("prefill")
-    tcp_cluster.start("prefill")
-    decode = tcp_cluster.start("decode")
+    doomed = tcp_cluster.start("prefill", wait=False)
+    tcp_cluster.start("prefill", wait=False)
+    decode = tcp_cluster.start("decode", wait=False)
+    tcp_cluster.wait_all_registered()
     killer = kill_when_prefilling(doomed)
     messages = generate(decode.address, LONG, doomed.address, max_tokens=4, temperature=0.0)
     killer.join()
@@ -79,8 +80,9 @@ def test_a_killed_prefill_worker_is_retried_on_another(tcp_cluster, llm):
 
 
 def test_with_no_other_prefill_worker_the_client_gets_unavailable(tcp_cluster):
-    doomed = tcp_cluster.start("prefill")
-    decode = tcp_cluster.start("decode")
+    doomed = tcp_cluster.start("prefill", wait=False)
+    decode = tcp_cluster.start("decode", wait=False)
+    tcp_cluster.wait_all_registered()
     killer = kill_when_prefilling(doomed)
     with pytest.raises(grpc.RpcError) as failure:
         generate(decode.address, LONG, doomed.address, max_tokens=4, temperature=0.0)
@@ -92,8 +94,9 @@ def test_with_no_other_prefill_worker_the_client_gets_unavailable(tcp_cluster):
 
 
 def test_a_cancelled_stream_frees_the_decode_workers_blocks(tcp_cluster, llm):
-    prefill = tcp_cluster.start("prefill")
-    decode = tcp_cluster.start("decode")
+    prefill = tcp_cluster.start("prefill", wait=False)
+    decode = tcp_cluster.start("decode", wait=False)
+    tcp_cluster.wait_all_registered()
     stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
     request = wpb.DecodeRequest(
         prompt_token_ids=llm.tokenizer.encode("Tell me a very long story."),
@@ -114,8 +117,9 @@ def test_a_cancelled_stream_frees_the_decode_workers_blocks(tcp_cluster, llm):
 
 
 def test_sigterm_drains(tcp_cluster):
-    prefill = tcp_cluster.start("prefill")
-    decode = tcp_cluster.start("decode", "--drain-grace-s", "60")
+    prefill = tcp_cluster.start("prefill", wait=False)
+    decode = tcp_cluster.start("decode", "--drain-grace-s", "60", wait=False)
+    tcp_cluster.wait_all_registered()
     stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address))
     request = wpb.DecodeRequest(
         prompt_token_ids=[100, 200, 300, 400],
@@ -140,8 +144,9 @@ def test_sigterm_drains(tcp_cluster):
 
 
 def test_health_and_reflection_answer_and_a_killed_worker_expires(tcp_cluster):
-    prefill = tcp_cluster.start("prefill")
-    decode = tcp_cluster.start("decode")
+    prefill = tcp_cluster.start("prefill", wait=False)
+    decode = tcp_cluster.start("decode", wait=False)
+    tcp_cluster.wait_all_registered()
     for worker, service in ((prefill, "pdserve.worker.v1.Prefill"),
                             (decode, "pdserve.worker.v1.Decode")):  # fmt: skip
         channel = grpc.insecure_channel(worker.address)

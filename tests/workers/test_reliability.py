@@ -44,9 +44,10 @@ def test_cancels_during_remote_prefill_never_corrupt_other_requests(backend, llm
     integrity on going idle, and dies on a fault)."""
     cluster = Cluster(kv_backend=backend)
     try:
-        prefill = cluster.start("prefill", "--chunk-size", "256")
+        prefill = cluster.start("prefill", "--chunk-size", "256", wait=False)
         # A generous budget: on a loaded 2-core machine the bystanders queue behind the storm.
-        decode = cluster.start("decode", "--prefill-timeout-s", "600")
+        decode = cluster.start("decode", "--prefill-timeout-s", "600", wait=False)
+        cluster.wait_all_registered()
         stub = stub_of(decode)
         rng = random.Random(7)
         num_cancelled = 0
@@ -91,8 +92,9 @@ def test_cancels_during_remote_prefill_never_corrupt_other_requests(backend, llm
 
 
 def test_engine_death_fails_every_request_and_exits_non_zero(tcp_cluster):
-    prefill = tcp_cluster.start("prefill")
-    decode = tcp_cluster.start("decode", program=FAULTY)
+    prefill = tcp_cluster.start("prefill", wait=False)
+    decode = tcp_cluster.start("decode", program=FAULTY, wait=False)
+    tcp_cluster.wait_all_registered()
     channel = grpc.insecure_channel(decode.address)
     health = health_pb2_grpc.HealthStub(channel).Watch(
         health_pb2.HealthCheckRequest(service=""), timeout=300
@@ -121,8 +123,9 @@ def test_engine_death_fails_every_request_and_exits_non_zero(tcp_cluster):
 def test_a_stopped_prefill_worker_costs_the_request_its_deadline_not_forever(backend, llm):
     cluster = Cluster(kv_backend=backend)
     try:
-        prefill = cluster.start("prefill")
-        decode = cluster.start("decode", "--prefill-timeout-s", "6")
+        prefill = cluster.start("prefill", wait=False)
+        decode = cluster.start("decode", "--prefill-timeout-s", "6", wait=False)
+        cluster.wait_all_registered()
         stub = stub_of(decode)
         call = stub.Generate(decode_request(LONG[:2000], prefill, max_tokens=4), timeout=300)
         wait_until(
@@ -148,9 +151,10 @@ def test_a_stopped_prefill_worker_costs_the_request_its_deadline_not_forever(bac
 
 
 def test_past_max_num_seqs_and_the_rpc_limit_callers_get_resource_exhausted(tcp_cluster):
-    prefill = tcp_cluster.start("prefill")
-    seq_limited = tcp_cluster.start("decode", "--max-num-seqs", "2")
-    rpc_limited = tcp_cluster.start("decode", "--max-concurrent-rpcs", "2")
+    prefill = tcp_cluster.start("prefill", wait=False)
+    seq_limited = tcp_cluster.start("decode", "--max-num-seqs", "2", wait=False)
+    rpc_limited = tcp_cluster.start("decode", "--max-concurrent-rpcs", "2", wait=False)
+    tcp_cluster.wait_all_registered()
     expected = [
         (seq_limited, "2 requests are running or awaiting KV; max_num_seqs is 2"),
         (rpc_limited, "worker has 2 requests in flight, its limit (--max-concurrent-rpcs); "
