@@ -128,7 +128,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             math.inf if remaining_s is None else remaining_s, self.settings.prefill_timeout_s
         )
         loop = self.loop
-        aggregated = self.settings.aggregated
+        # Prefilled here: an aggregated worker always, a decode worker when the router asks.
+        aggregated = self.settings.aggregated or request.prefill_here
         if aggregated:  # decoding from the start: the engine owns the request (and aborts it)
             watch.begin_decoding()
             reserved, stream = loop.call(

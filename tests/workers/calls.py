@@ -28,13 +28,17 @@ PROMPTS = [
 ]
 
 
-def generate(decode_address: str, prompt_ids: list[int], prefill_address: str = "", **params):
+def generate(
+    decode_address: str, prompt_ids: list[int], prefill_address: str = "",
+    prefill_here: bool = False, **params,
+):  # fmt: skip
     """Calls Decode.Generate directly; returns the stream's messages."""
     stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(decode_address))
     request = wpb.DecodeRequest(
         prompt_token_ids=prompt_ids,
         params=pb.SamplingParams(**params),
         prefill_address=prefill_address,
+        prefill_here=prefill_here,
     )
     return list(stub.Generate(request, timeout=300))
 

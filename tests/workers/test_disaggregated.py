@@ -58,3 +58,25 @@ def test_a_shared_prefix_transfers_only_the_missing_blocks(cluster, llm):
     generate(decode.address, second, prefill.address, max_tokens=2, temperature=0.0)
     # The decode worker still caches the 40 shared blocks: only the rest crosses the wire.
     assert sent() - after_first == (-(-len(second) // 16) - 40) * bytes_per_block
+
+
+def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, llm, reference):
+    """DecodeRequest.prefill_here (the router's prefill overflow): the engine's tokens, and
+    no KV crosses the wire."""
+    prefill, decode = cluster.workers
+    backend = cluster.kv_backend
+    received = lambda: decode.metric(  # noqa: E731
+        "pdserve_kv_transfer_bytes_total", backend=backend, direction="received"
+    )
+    before = received()
+    recipe = " ".join(f"Step {i}: stir in {i * 2} grams of flour." for i in range(80))
+    prompt = llm.tokenizer.encode(recipe)  # seen by no earlier test; three chunks of 512
+    messages = generate(
+        decode.address, prompt, prefill.address, prefill_here=True, max_tokens=8,
+        temperature=0.0, ignore_eos=True,
+    )  # fmt: skip
+    assert token_ids(messages) == reference(prompt, 8)
+    assert messages[-1].finish_reason == "length"
+    assert messages[-1].usage.prompt_tokens == len(prompt)
+    assert received() == before
+    cluster.assert_idle(prefill, decode)
