@@ -141,6 +141,11 @@ ADMISSION = Option(
     "admission", "PDSERVE_ADMISSION", "length_aware | fifo | pass_through.",
     own_default=_field_default(AdmissionSettings, "mode"),
 )  # fmt: skip
+PREFILL_OVERFLOW = Option(
+    "prefill_overflow", "PDSERVE_PREFILL_OVERFLOW",
+    "Every prefill worker at its budget: queue (wait for one) | decode (a decode worker with "
+    "room computes the prompt itself).", AdmissionSettings,
+)  # fmt: skip
 
 
 def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
@@ -273,6 +278,7 @@ ROUTER_OPTIONS = (
     ROUTING_POLICY, ADMISSION,
     Option("prefill_token_budget", "PDSERVE_PREFILL_TOKEN_BUDGET", "Per prefill worker.",
            AdmissionSettings),
+    PREFILL_OVERFLOW,
     Option("max_queued_requests", "PDSERVE_MAX_QUEUED_REQUESTS", None, AdmissionSettings),
     Option("ttft_slo_s", "PDSERVE_TTFT_SLO_S",
            "Predicted TTFT (corrected by what requests saw, to their 99th percentile) above "
@@ -349,6 +355,9 @@ UP_OPTIONS = (
     Option("cores", None, "Cores to divide among workers; 0 = all.", own_default=0),
     replace(WARMUP, help="Workers warm each length bucket."),
     ROUTING_POLICY, ADMISSION,
+    # One machine's workers share its cores: a decode worker's core is the one free to
+    # compute prompts when the prefill workers' are full (docs/router.md, Prefill overflow).
+    replace(PREFILL_OVERFLOW, own_default="decode"),
     Option("log_dir", None, "Child logs; default: a new temp dir.", own_default=""),
     Option("restart_backoff_s", "PDSERVE_RESTART_BACKOFF_S", "First restart delay.",
            own_default=_field_default(RestartPolicy, "backoff_s")),
@@ -381,7 +390,8 @@ def up(**values: Any) -> None:
             kv_backend=v["kv_backend"], host=v["host"],
             http_port=v["http_port"], grpc_port=v["grpc_port"], num_cores=v["cores"],
             warmup=v["warmup"], log_dir=Path(v["log_dir"]) if v["log_dir"] else None,
-            router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"]),
+            router_args=("--routing-policy", v["routing_policy"], "--admission", v["admission"],
+                         "--prefill-overflow", v["prefill_overflow"]),  # fmt: skip
             restart=restart,
         )  # fmt: skip
         after_start = _local_planner() if v["planner"] else None

@@ -281,6 +281,7 @@ class Run:
             params=grpc_convert.sampling_proto(job.params),
             prefill_address=self.lease.prefill.address,
             router_queue_s=self.lease.queue_wait_s,
+            prefill_here=self.lease.prefill is self.lease.decode,
         )
         timeout_s = job.remaining_s("before the decode worker was called")
         self.call = gateway.decode.generate(self.lease.decode.address, request, timeout_s)

@@ -10,8 +10,10 @@ from pdserve.tls import TLSFiles
 
 PolicyName = Literal["watermark", "round_robin", "hash"]
 AdmissionMode = Literal["length_aware", "fifo", "pass_through"]
+PrefillOverflow = Literal["queue", "decode"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("watermark", "round_robin", "hash")
 ADMISSION_MODES: tuple[AdmissionMode, ...] = ("length_aware", "fifo", "pass_through")
+PREFILL_OVERFLOWS: tuple[PrefillOverflow, ...] = ("queue", "decode")
 
 
 class SettingsError(ValueError):
@@ -32,6 +34,10 @@ class AdmissionSettings:
     # Prompt tokens one prefill worker may hold at once (queued + computing); the rest wait in
     # the router, where the bucket order applies. An idle worker always takes one request.
     prefill_token_budget: int = 2048
+    # When every prefill worker is at its budget: queue: the request waits here for one;
+    # decode: a decode worker with room computes the prompt itself, within the same budget of
+    # its own (Dynamo's conditional disaggregation; its decode steps then carry prompt chunks).
+    prefill_overflow: PrefillOverflow = "queue"
     max_queued_requests: int = 256
     # A request whose predicted time to first token (everything in front of it at the
     # measured prefill speed, corrected by what earlier requests saw) is over this is
@@ -49,6 +55,10 @@ class AdmissionSettings:
     def __post_init__(self) -> None:
         if self.mode not in ADMISSION_MODES:
             raise SettingsError(f"admission mode must be one of {ADMISSION_MODES}: {self.mode!r}")
+        if self.prefill_overflow not in PREFILL_OVERFLOWS:
+            raise SettingsError(
+                f"prefill overflow must be one of {PREFILL_OVERFLOWS}: {self.prefill_overflow!r}"
+            )
         positive = {
             "prefill_token_budget": self.prefill_token_budget,
             "ttft_slo_s": 1.0 if self.ttft_slo_s is None else self.ttft_slo_s,

@@ -268,9 +268,10 @@ class WorkerPool:
             self._rebuild_side("prefill", worker_id)
 
     def _rebuild_side(self, side: Role, worker_id: str) -> None:
-        """The views a ledger change touches: the worker's on that side, and an aggregated
-        worker's, which holds both sides."""
-        for role in (side, "aggregated"):
+        """The views a ledger change touches: the worker's on that side, an aggregated
+        worker's, which holds both sides, and a decode worker's given a prompt of its own
+        (AdmissionSettings.prefill_overflow), which then holds both too."""
+        for role in (side, "aggregated", "decode") if side == "prefill" else (side, "aggregated"):
             if worker_id in self._infos[role]:
                 self._rebuild(role, worker_id)
 
@@ -280,7 +281,9 @@ class WorkerPool:
     def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
         load = info.load
         tokens_per_s = load.prefill_tokens_per_s or self.default_tokens_per_s
-        if role == "aggregated":  # corrected on both sides; it prefills only what waits
+        # Corrected on both sides; it prefills only what waits. A decode worker too: the
+        # prompts it was given to compute itself are on its prefill side.
+        if role in ("aggregated", "decode"):
             queued = self.ledgers["prefill"].corrected(
                 info.worker_id, Share(load.queued_tokens, load.waiting_requests), info.updated_at
             )
@@ -293,17 +296,9 @@ class WorkerPool:
                 max(0, load.total_blocks - used.amount), load.total_blocks, used.count,
                 info.worker_id in self.fenced,
             )  # fmt: skip
-        ledger = self.ledgers[role]
-        if role == "prefill":
-            reported = Share(load.queued_tokens, load.waiting_requests + load.running_requests)
-            queued = ledger.corrected(info.worker_id, reported, info.updated_at)
-            return WorkerView(
-                info, queued.amount, queued.count, tokens_per_s, load.free_blocks,
-                load.total_blocks, load.running_requests, info.worker_id in self.fenced,
-            )  # fmt: skip
-        reported = Share(load.total_blocks - load.free_blocks, load.running_requests)
-        used = ledger.corrected(info.worker_id, reported, info.updated_at)
+        reported = Share(load.queued_tokens, load.waiting_requests + load.running_requests)
+        queued = self.ledgers["prefill"].corrected(info.worker_id, reported, info.updated_at)
         return WorkerView(
-            info, load.queued_tokens, load.waiting_requests, tokens_per_s,
-            max(0, load.total_blocks - used.amount), load.total_blocks, used.count,
+            info, queued.amount, queued.count, tokens_per_s, load.free_blocks,
+            load.total_blocks, load.running_requests, info.worker_id in self.fenced,
         )  # fmt: skip

@@ -422,7 +422,9 @@ class Simulation:
         await asyncio.sleep(hop)  # router -> the decode (or aggregated) worker
         worker = self.workers[lease.decode.worker_id]
         try:
-            if worker.spec.kind == "aggregated":  # DecodeService with settings.aggregated
+            # DecodeService with settings.aggregated, or a decode worker given the prompt
+            # (DecodeRequest.prefill_here, the router's prefill overflow)
+            if worker.spec.kind == "aggregated" or lease.prefill is lease.decode:
                 await worker.between_steps()
                 requests = [
                     worker.engine.add_request(request.request_id, request.prompt_token_ids, params)

@@ -51,6 +51,7 @@ ROUTER_ENV = {
     "--http-port": "PDSERVE_HTTP_PORT", "--grpc-port": "PDSERVE_GRPC_PORT",
     "--api-key": "PDSERVE_API_KEY", "--routing-policy": "PDSERVE_ROUTING_POLICY",
     "--admission": "PDSERVE_ADMISSION", "--prefill-token-budget": "PDSERVE_PREFILL_TOKEN_BUDGET",
+    "--prefill-overflow": "PDSERVE_PREFILL_OVERFLOW",
     "--max-queued-requests": "PDSERVE_MAX_QUEUED_REQUESTS", "--ttft-slo-s": "PDSERVE_TTFT_SLO_S",
     "--max-queue-wait-s": "PDSERVE_MAX_QUEUE_WAIT_S",
     "--queue-timeout-s": "PDSERVE_QUEUE_TIMEOUT_S",

@@ -6,7 +6,9 @@ by what earlier requests saw) is over the objective.
 Which pool serves a request: with only aggregated workers, or only prefill + decode pools,
 that one. A mixed cluster sends short-bucket prompts whole to the aggregated workers (a short
 prefill hardly stalls their decode batch) and medium and long ones split across the P/D pools
-(where a long prefill delays no one's decode)."""
+(where a long prefill delays no one's decode). With prefill_overflow "decode", a split request
+that finds every prefill worker at its budget goes whole to a decode worker with room instead
+of waiting: that worker computes the prompt beside its decode batch."""
 
 from __future__ import annotations
 
@@ -195,16 +197,28 @@ class Admission:
             return None if worker is None else (worker, worker, ticket)
         if self.prefixes is None:
             prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
-            decode = None if prefill is None else self._choose_decode(ticket)
-            return None if prefill is None or decode is None else (prefill, decode, ticket)
+            if prefill is None:
+                return self._overflow(ticket)
+            decode = self._choose_decode(ticket)
+            return None if decode is None else (prefill, decode, ticket)
         decode = self._choose_decode(ticket)
         if decode is None:
             return None
+        scored = ticket
         if decode.info.peer_fetch:
             held = self.prefixes.overlap_tokens(decode.info, ticket)
-            ticket = replace(ticket, held_prefix_tokens=held)
-        prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
-        return None if prefill is None else (prefill, decode, ticket)
+            scored = replace(ticket, held_prefix_tokens=held)
+        prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), scored)
+        return self._overflow(ticket) if prefill is None else (prefill, decode, scored)
+
+    def _overflow(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
+        """Every prefill worker is at its budget: with prefill_overflow "decode", a decode
+        worker chosen as an aggregated one is (the prompt on its prefill side, within the same
+        budget), and computes the prompt itself."""
+        if self.settings.prefill_overflow != "decode" or self.policies.aggregated is None:
+            return None
+        worker = self.policies.aggregated.choose(self.pool.role_views("decode"), ticket)
+        return None if worker is None else (worker, worker, ticket)
 
     def _choose_decode(self, ticket: Ticket) -> WorkerView | None:
         return self.policies.decode.choose(self.pool.role_views("decode"), ticket)
@@ -231,8 +245,9 @@ class Admission:
         prediction = self._predictions.pop(ticket.request_id)
         admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(prediction.wait_s)
         admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - prediction.wait_s)
-        if prefill is decode:
-            metrics.ROUTED.labels("aggregated", prefill.worker_id).inc()
+        if prefill is decode:  # "decode_prefill": a decode worker given a prompt (_overflow)
+            whole = "aggregated" if prefill.info.role == "aggregated" else "decode_prefill"
+            metrics.ROUTED.labels(whole, prefill.worker_id).inc()
         else:
             metrics.ROUTED.labels("prefill", prefill.worker_id).inc()
             metrics.ROUTED.labels("decode", decode.worker_id).inc()

@@ -116,6 +116,50 @@ def test_short_request_overtakes_queued_long_ones_when_budget_frees():
     assert asyncio.run(scenario()) == ["S", "L1", "L2"]
 
 
+@pytest.mark.parametrize("overflow", ["queue", "decode"])
+def test_prompts_past_every_prefill_budget_wait_or_go_to_a_decode_worker(overflow):
+    """prefill_overflow "decode": what the prefill worker's budget leaves goes whole to the
+    decode worker, up to the same budget of its own there; "queue": it waits in the router."""
+
+    async def scenario() -> tuple[list[tuple[str, str]], int, int]:
+        adm = admission(*ONE_OF_EACH, prefill_token_budget=1000, prefill_overflow=overflow)
+        leases = [await adm.admit(ticket(f"r{i}", 400)) for i in range(2)]  # 800 on "p"
+        pending = [asyncio.ensure_future(adm.admit(ticket(f"r{i}", 400))) for i in (2, 3, 4)]
+        await asyncio.sleep(0)
+        leases += [f.result() for f in pending if f.done()]
+        decode_view = adm.pool.role_views("decode").get("d")
+        assert decode_view is not None
+        for f in pending:
+            f.cancel()
+        return (
+            [(lease.prefill.worker_id, lease.decode.worker_id) for lease in leases],
+            decode_view.queued_tokens,
+            len(adm.queue),
+        )
+
+    placed, decode_queued, num_waiting = asyncio.run(scenario())
+    if overflow == "queue":
+        assert placed == [("p", "d"), ("p", "d")]
+        assert (decode_queued, num_waiting) == (0, 3)
+    else:  # r2 and r3 fill the decode worker's own 1000-token budget; r4 waits
+        assert placed == [("p", "d"), ("p", "d"), ("d", "d"), ("d", "d")]
+        assert (decode_queued, num_waiting) == (800, 1)
+
+
+def test_a_decode_worker_given_a_prompt_drops_it_from_its_prefill_side_at_the_first_token():
+    async def scenario() -> list[int]:
+        adm = admission(*ONE_OF_EACH, prefill_token_budget=500, prefill_overflow="decode")
+        await adm.admit(ticket("on-p", 400))
+        lease = await adm.admit(ticket("on-d", 400))
+        assert (lease.prefill.worker_id, lease.decode.worker_id) == ("d", "d")
+        queued = lambda: adm.pool.role_views("decode").get("d").queued_tokens  # noqa: E731
+        before = queued()
+        lease.end_prefill()
+        return [before, queued()]
+
+    assert asyncio.run(scenario()) == [400, 0]
+
+
 def test_queue_full_rejects_at_once_with_retry_after():
     async def scenario() -> None:
         adm = admission(*ONE_OF_EACH, prefill_token_budget=1, max_queued_requests=1)
