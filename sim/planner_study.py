@@ -97,7 +97,9 @@ def simulate(fleet: Fleet, day: Day, seed: int, planner: Planner | None = None) 
     """Runs the day, then ticks until every request has finished (with no decode pool: until
     every prompt has its first token)."""
     interval_s = planner.settings.interval_s if planner else math.inf
+    check_s = planner.settings.backlog_check_s if planner else 0.0
     next_plan_s = interval_s
+    next_check_s = check_s or math.inf
     arrivals = day.requests(seed)
     pending = next(arrivals, None)
 
@@ -112,9 +114,15 @@ def simulate(fleet: Fleet, day: Day, seed: int, planner: Planner | None = None) 
             fleet.arrive(pending)
             pending = next(arrivals, None)
         fleet.tick()
-        if planner is not None and fleet.now_s >= next_plan_s - 1e-9:
+        if planner is None:
+            continue
+        if fleet.now_s >= next_plan_s - 1e-9:
             planner.step(fleet.now_s)
             next_plan_s += interval_s
+        elif fleet.now_s >= next_check_s - 1e-9:  # between decisions, as run_forever checks
+            planner.check_backlog(fleet.now_s)
+        if fleet.now_s >= next_check_s - 1e-9:
+            next_check_s += check_s
 
 
 def outcome(fleet: Fleet) -> dict[str, Any]:
