@@ -64,7 +64,7 @@ class Planner:
         measured arrivals in place of the forecast). It never shrinks a pool and leaves decode
         as it is; the next decision sizes both as usual (a shrink waits for the cooldown)."""
         flow = self.source.prefill_flow()
-        if flow is None:
+        if flow is None or flow.queued_prompt_tokens <= 0:  # no backlog: no replicas read
             return None
         s = self.settings
         actual = self.connector.replicas()

@@ -194,7 +194,10 @@ def test_the_backlog_check_needs_a_source_that_tells(profile):
     planner, script, _ = make(profile, [interval(20.0)])
     planner.step(60.0)
     assert planner.check_backlog(65.0) is None  # the Script's flows are empty: None
-    script.flows = [PrefillFlow(16000.0, 12000.0)]
+    script.flows = [PrefillFlow(0.0, 12000.0), PrefillFlow(16000.0, 12000.0)]
+    script.replicas = None  # an empty queue is no backlog: the pools are not even read
+    assert planner.check_backlog(66.0) is None
+    del script.replicas
     planner.settings = planner.settings.model_copy(update={"scale_up_cooldown_s": 30.0})
     assert planner.check_backlog(70.0) is None  # 10 s after the last change: cooling down
 
