@@ -28,6 +28,9 @@ class Observation:
     decode_batch_per_worker: float  # mean running requests per decode worker
     num_finished: int = 0  # requests that ended in the interval
     num_met_slo: int = 0  # of those, the ones within both TTFT and ITL targets
+    # Prompt tokens waiting for or in prefill at the interval's end (the router's admission
+    # queue and the prefill workers'): the backlog the arrival rate alone does not show.
+    queued_prompt_tokens: float = 0.0
 
     @property
     def request_rate(self) -> float:
@@ -50,12 +53,27 @@ COUNTERS = {
     "output_tokens": "pdserve_decode_output_tokens_total",
 }
 DECODE_RUNNING = "pdserve_decode_running_requests"  # a gauge, averaged over decode workers
+# The prefill backlog, summed: prompt tokens in the routers' admission queues (which hold what
+# is over each prefill worker's token budget) and in the prefill workers (waiting or computing).
+QUEUED_PROMPT_TOKENS = ("pdserve_router_queued_prompt_tokens", "pdserve_prefill_queued_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFlow:
+    """The prefill backlog now and the prompt tokens per second arriving lately. While prompts
+    queue, what arrives is what was prefilled plus what the queue grew by, so a source measures
+    it as (prompt tokens prefilled + the queue's growth) / the time since its last reading, or
+    over a window of its history where it keeps one (Prometheus)."""
+
+    queued_prompt_tokens: float
+    arriving_tokens_per_s: float
 
 
 def observation(interval_s: float, v: dict[str, float]) -> Observation:
-    """An interval's Observation from the counters' increases (COUNTERS' names) and
-    "decode_batch_per_worker". Per-request SLO attainment is not observed this way: the
-    histograms give TTFT and ITL means and counts, not each request's pair."""
+    """An interval's Observation from the counters' increases (COUNTERS' names),
+    "decode_batch_per_worker" and "queued_prompt_tokens" (QUEUED_PROMPT_TOKENS summed; 0 if
+    absent). Per-request SLO attainment is not observed this way: the histograms give TTFT
+    and ITL means and counts, not each request's pair."""
     requests = round(v["requests"])
     return Observation(
         interval_s=interval_s, num_requests=requests,
@@ -64,6 +82,7 @@ def observation(interval_s: float, v: dict[str, float]) -> Observation:
         ttft_s=v["ttft_sum_s"] / v["requests"] if v["requests"] else None,
         itl_s=v["itl_sum_s"] / v["itl_count"] if v["itl_count"] else None,
         decode_batch_per_worker=v["decode_batch_per_worker"],
+        queued_prompt_tokens=v.get("queued_prompt_tokens", 0.0),
     )  # fmt: skip
 
 
@@ -71,6 +90,12 @@ class LoadSource(ABC):
     @abstractmethod
     def observe(self) -> Observation:
         """The interval since the last call."""
+
+    def prefill_flow(self) -> PrefillFlow | None:
+        """The backlog now and the arriving prompt tokens/s lately (PrefillFlow), read between
+        intervals for the planner's backlog check; None where the source cannot tell (then
+        there is no check)."""
+        return None
 
 
 class Connector(ABC):

@@ -26,6 +26,27 @@ class Decision:
     actual: dict[PoolName, int]  # before this decision
     limited_by: tuple[str, ...]  # which limits changed the formula's counts
     slo_attainment: float | None
+    queued_prompt_tokens: float = 0.0  # observed at the interval's end
+    backlog_tokens: float = 0.0  # of those, beyond what the pool prefills within the target
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogScaleUp:
+    """A prefill scale-up between decisions: the backlog past the TTFT target's worth, and the
+    count sized from the prompt tokens/s arriving and that backlog."""
+
+    time_s: float
+    queued_prompt_tokens: float
+    backlog_tokens: float
+    arriving_tokens_per_s: float
+    prompt_tokens: float  # the mean length the speed was read at (the last interval's)
+    formula: int  # prefill workers, before the limits
+    desired: dict[PoolName, int]  # after bounds and the GPU budget (decode kept as it is)
+    actual: dict[PoolName, int]
+    limited_by: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

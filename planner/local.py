@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -14,10 +16,12 @@ from pdserve.registry import Registry, WorkerInfo
 from planner.connector import (
     COUNTERS,
     DECODE_RUNNING,
+    QUEUED_PROMPT_TOKENS,
     Connector,
     ConnectorError,
     LoadSource,
     Observation,
+    PrefillFlow,
     observation,
 )
 from planner.planner import Planner
@@ -43,32 +47,53 @@ def scrape(url: str, names: set[str]) -> dict[str, float]:
 
 class ScrapedSource(LoadSource):
     """The counters' increases since the last observation, page by page: a process that
-    restarted (its counters back at 0) counts from 0, one that left counts no more."""
+    restarted (its counters back at 0) counts from 0, one that left counts no more. The
+    backlog is the queue gauges' sum over the same pages."""
 
-    def __init__(self, cluster: LocalCluster, interval_s: float) -> None:
+    def __init__(self, cluster: LocalCluster, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.cluster = cluster
         self.interval_s = interval_s
+        self.clock = clock
         self._last: dict[tuple[str, str], float] = {}  # (page, metric) -> value last read
+        # prefill_flow's own readings: the prompt tokens counters, the backlog, the time
+        self._flow_last: dict[tuple[str, str], float] = {}
+        self._flow_read: tuple[float, float] | None = None  # (time, backlog)
 
     def observe(self) -> Observation:
         workers = self._workers()
         decode_pages = {w.metrics_url for w in workers if w.role == "decode"}
-        pages = [f"{router.http_url}/metrics" for router in self.cluster.routers]
-        pages += [w.metrics_url for w in workers]
+        pages = self._pages(workers)
+        names = {*COUNTERS.values(), DECODE_RUNNING, *QUEUED_PROMPT_TOKENS}
+        values = {page: scrape(page, names) for page in pages}
         increases = dict.fromkeys(COUNTERS, 0.0)
-        running: list[float] = []
-        seen: dict[tuple[str, str], float] = {}
-        for page in pages:
-            values = scrape(page, {*COUNTERS.values(), DECODE_RUNNING})
-            for name, metric in COUNTERS.items():
-                now = seen[page, metric] = values[metric]
-                before = self._last.get((page, metric), 0.0)
-                increases[name] += now - before if now >= before else now
-            if page in decode_pages:
-                running.append(values[DECODE_RUNNING])
-        self._last = seen
+        for name, metric in COUNTERS.items():
+            increases[name] = _increase(values, self._last, metric)
+        self._last = {(page, m): v[m] for page, v in values.items() for m in COUNTERS.values()}
+        running = [values[page][DECODE_RUNNING] for page in pages if page in decode_pages]
         increases["decode_batch_per_worker"] = sum(running) / len(running) if running else 0.0
+        increases["queued_prompt_tokens"] = _queued(values)
         return observation(self.interval_s, increases)
+
+    def prefill_flow(self) -> PrefillFlow:
+        """The backlog now; arriving = (prompt tokens prefilled + the backlog's growth) / the
+        time since the last call (the first call: 0/s)."""
+        now_s = self.clock()
+        metric = COUNTERS["prompt_tokens"]
+        values = {page: scrape(page, {metric, *QUEUED_PROMPT_TOKENS})
+                  for page in self._pages(self._workers())}  # fmt: skip
+        queued = _queued(values)
+        prefilled = _increase(values, self._flow_last, metric)
+        last, self._flow_read = self._flow_read, (now_s, queued)
+        self._flow_last = {(page, metric): v[metric] for page, v in values.items()}
+        if last is None or now_s <= last[0]:
+            return PrefillFlow(queued, 0.0)
+        return PrefillFlow(queued, max(0.0, prefilled + queued - last[1]) / (now_s - last[0]))
+
+    def _pages(self, workers: list[WorkerInfo]) -> list[str]:
+        return [f"{router.http_url}/metrics" for router in self.cluster.routers] + [
+            w.metrics_url for w in workers
+        ]
 
     def _workers(self) -> list[WorkerInfo]:
         registry = Registry(self.cluster.redis_url)
@@ -76,6 +101,21 @@ class ScrapedSource(LoadSource):
             return registry.workers("prefill") + registry.workers("decode")
         except Exception as e:  # Redis restarting: this interval is skipped
             raise ConnectorError(f"registry: {e}") from e
+
+
+def _increase(values: dict[str, dict[str, float]], last: dict[tuple[str, str], float],
+              metric: str) -> float:  # fmt: skip
+    """A counter's increase summed over the pages since `last`: a page whose counter fell
+    (its process restarted) counts from 0, a page not read before counts whole."""
+    total = 0.0
+    for page, v in values.items():
+        now, before = v[metric], last.get((page, metric), 0.0)
+        total += now - before if now >= before else now
+    return total
+
+
+def _queued(values: dict[str, dict[str, float]]) -> float:
+    return sum(v[metric] for v in values.values() for metric in QUEUED_PROMPT_TOKENS)
 
 
 class LocalConnector(Connector):

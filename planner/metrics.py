@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from planner.decision import Decision
+from planner.decision import BacklogScaleUp, Decision
 
 
 class PlannerMetrics:
@@ -35,6 +35,17 @@ class PlannerMetrics:
             "pdserve_planner_decisions_total", "Decisions, by whether they changed a pool",
             ["changed"], registry=registry,
         )  # fmt: skip
+        self.queued_prompt_tokens = Gauge(
+            "pdserve_planner_queued_prompt_tokens",
+            "Prompt tokens queued for prefill as the planner last read them (router queues and "
+            "prefill workers), and the backlog beyond what the pool prefills within the TTFT "
+            "target", ["kind"], registry=registry,
+        )  # fmt: skip
+        self.backlog_scale_ups = Counter(
+            "pdserve_planner_backlog_scale_ups_total",
+            "Prefill scale-ups between decisions, on a backlog past the TTFT target's worth",
+            registry=registry,
+        )  # fmt: skip
 
     def record(self, decision: Decision) -> None:
         for pool in ("prefill", "decode"):
@@ -45,6 +56,15 @@ class PlannerMetrics:
             self.load.labels(quantity, "predicted").set(value)
         for quantity, value in decision.observed.items():
             self.load.labels(quantity, "observed").set(value)
+        self.queued_prompt_tokens.labels("queued").set(decision.queued_prompt_tokens)
+        self.queued_prompt_tokens.labels("backlog").set(decision.backlog_tokens)
         if decision.slo_attainment is not None:
             self.slo_attainment.set(decision.slo_attainment)
         self.decisions.labels(str(decision.desired != decision.actual).lower()).inc()
+
+    def record_backlog_scale_up(self, scale_up: BacklogScaleUp) -> None:
+        self.replicas.labels("prefill", "desired").set(scale_up.desired["prefill"])
+        self.replicas.labels("prefill", "actual").set(scale_up.actual["prefill"])
+        self.queued_prompt_tokens.labels("queued").set(scale_up.queued_prompt_tokens)
+        self.queued_prompt_tokens.labels("backlog").set(scale_up.backlog_tokens)
+        self.backlog_scale_ups.inc()

@@ -8,16 +8,18 @@ import logging
 import time
 
 from planner.connector import Connector, ConnectorError, LoadSource, Observation
-from planner.decision import Decision, Load
+from planner.decision import BacklogScaleUp, Decision, Load
 from planner.metrics import PlannerMetrics
 from planner.predictors import make_predictor
 from planner.profile import Profile
 from planner.settings import POOLS, PlannerSettings, PoolName
 from planner.sizing import (
     after_cooldown,
+    backlog_tokens,
     decode_context_tokens,
     decode_replicas,
     prefill_replicas,
+    prefill_workers,
     within_bounds,
     within_budget,
 )
@@ -39,6 +41,7 @@ class Planner:
         self.changed_at_s: dict[PoolName, float] = {"prefill": -float("inf"),
                                                     "decode": -float("inf")}  # fmt: skip
         self.decisions: list[Decision] = []
+        self.backlog_scale_ups: list[BacklogScaleUp] = []
 
     def step(self, now_s: float) -> Decision:
         """One interval: observe, decide, scale."""
@@ -54,14 +57,64 @@ class Planner:
             self.metrics.record(decision)
         return decision
 
+    def check_backlog(self, now_s: float) -> BacklogScaleUp | None:
+        """Between decisions: when the queued prompt tokens exceed what the prefill pool
+        computes within the TTFT target, grow the pool at once to carry the prompt tokens/s
+        arriving and drain that backlog within backlog_drain_s (the interval formula, with the
+        measured arrivals in place of the forecast). It never shrinks a pool and leaves decode
+        as it is; the next decision sizes both as usual (a shrink waits for the cooldown)."""
+        flow = self.source.prefill_flow()
+        if flow is None or flow.queued_prompt_tokens <= 0:  # no backlog: no replicas read
+            return None
+        s = self.settings
+        actual = self.connector.replicas()
+        # The queued prompts' speed at the last interval's mean length: measured, where a
+        # forecast's trend may run far past it.
+        prompt_tokens = self.decisions[-1].observed["prompt_tokens"] if self.decisions else 0.0
+        backlog = backlog_tokens(flow.queued_prompt_tokens, actual["prefill"], prompt_tokens,
+                                 s.ttft_target_s, self.profile)  # fmt: skip
+        if backlog <= 0:
+            return None
+        formula = prefill_workers(flow.arriving_tokens_per_s, backlog / s.drain_s, prompt_tokens,
+                                  s.prefill_utilization_target, self.profile)  # fmt: skip
+        # Decode keeps its count, so prefill may have what the budget leaves it.
+        room = (s.gpu_budget - actual["decode"] * s.gpus_per_decode) // s.gpus_per_prefill
+        limits = (("bounds", s.max_prefill), ("gpu_budget", room))
+        prefill = min(formula, s.max_prefill, room)
+        since_s = now_s - self.changed_at_s["prefill"]
+        if prefill <= actual["prefill"] or since_s < s.scale_up_cooldown_s:
+            return None
+        scale_up = BacklogScaleUp(
+            time_s=now_s, queued_prompt_tokens=flow.queued_prompt_tokens, backlog_tokens=backlog,
+            arriving_tokens_per_s=flow.arriving_tokens_per_s, prompt_tokens=prompt_tokens,
+            formula=formula, desired={"prefill": prefill, "decode": actual["decode"]},
+            actual=dict(actual),
+            limited_by=tuple(name for name, cap in limits if cap < formula),
+        )  # fmt: skip
+        self.connector.set_replicas("prefill", prefill)
+        self.changed_at_s["prefill"] = now_s
+        self.backlog_scale_ups.append(scale_up)
+        log.info("planner backlog scale-up %s", json.dumps(scale_up.as_dict()))
+        if self.metrics is not None:
+            self.metrics.record_backlog_scale_up(scale_up)
+        return scale_up
+
     def run_forever(self) -> None:
+        s = self.settings
         while True:
             started = time.monotonic()
             try:
                 self.step(started)
             except ConnectorError as e:  # the next interval reads and writes afresh
                 log.error("planner interval skipped: %s", e)
-            time.sleep(max(0.0, self.settings.interval_s - (time.monotonic() - started)))
+            next_s = started + s.interval_s
+            while s.backlog_check_s and time.monotonic() + s.backlog_check_s < next_s:
+                time.sleep(s.backlog_check_s)
+                try:
+                    self.check_backlog(time.monotonic())
+                except ConnectorError as e:
+                    log.error("planner backlog check skipped: %s", e)
+            time.sleep(max(0.0, next_s - time.monotonic()))
 
     def decide(self, obs: Observation, actual: dict[PoolName, int], now_s: float) -> Decision:
         observed: Load = {"request_rate": obs.request_rate, "prompt_tokens": obs.prompt_tokens,
@@ -73,10 +126,14 @@ class Planner:
         predicted: Load = {q: self.predictors[q].predict() for q in QUANTITIES}
         expected_ttft, expected_itl = self._update_corrections(obs)
         s = self.settings
+        backlog = backlog_tokens(obs.queued_prompt_tokens, actual["prefill"],
+                                 predicted["prompt_tokens"], s.ttft_target_s,
+                                 self.profile)  # fmt: skip
         formula: dict[PoolName, int] = {
             "prefill": prefill_replicas(predicted["request_rate"], predicted["prompt_tokens"],
                                         self.corrections["prefill"],
-                                        s.prefill_utilization_target, self.profile),
+                                        s.prefill_utilization_target, self.profile,
+                                        drain_tokens_per_s=backlog / s.drain_s),
             "decode": decode_replicas(predicted["request_rate"], predicted["prompt_tokens"],
                                       predicted["output_tokens"], self.corrections["decode"],
                                       s.itl_target_s, self.profile),
@@ -93,7 +150,8 @@ class Planner:
             ttft_s=obs.ttft_s, itl_s=obs.itl_s, expected_ttft_s=expected_ttft,
             expected_itl_s=expected_itl, corrections=dict(self.corrections), formula=formula,
             desired=desired, actual=dict(actual), limited_by=limited_by,
-            slo_attainment=obs.slo_attainment,
+            slo_attainment=obs.slo_attainment, queued_prompt_tokens=obs.queued_prompt_tokens,
+            backlog_tokens=backlog,
         )  # fmt: skip
 
     def _update_corrections(self, obs: Observation) -> tuple[float | None, float | None]:

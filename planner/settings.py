@@ -25,6 +25,16 @@ class PlannerSettings(BaseSettings):
     # ~0.45 s at 0.06 s per prompt: 3 x mean wait, mean wait = rho / (1 - rho) x 1.36 x 0.06 s.
     prefill_utilization_target: float = Field(0.6, gt=0, le=1)
     interval_s: float = Field(60.0, gt=0)  # one observation and one decision per interval
+    # Queued prompt tokens beyond what the prefill pool computes within the TTFT target are a
+    # backlog that new arrivals wait behind: the pool is sized to drain it within this many
+    # seconds on top of the arrival load (None: one interval, by when the next decision reads
+    # the queue again and re-sizes for what is left).
+    backlog_drain_s: float | None = Field(None, gt=0)
+    # Between decisions, every this many seconds, the backlog is read alone; past the TTFT
+    # target's worth it grows the prefill pool at once, from the arriving prompt tokens/s
+    # (never shrinks it, never touches decode). 0: no check. It bounds how long a backlog
+    # grows unseen; a start-up of minutes, not this, bounds the response.
+    backlog_check_s: float = Field(5.0, ge=0)
     predictor: PredictorName = "holt"
     ewma_alpha: float = Field(0.5, gt=0, le=1)  # weight of the newest observation
     holt_alpha: float = Field(0.5, gt=0, le=1)  # level smoothing
@@ -61,6 +71,10 @@ class PlannerSettings(BaseSettings):
             raise ValueError(f"the pools' minimums need {floor} GPUs, over gpu_budget="
                              f"{self.gpu_budget}")  # fmt: skip
         return self
+
+    @property
+    def drain_s(self) -> float:
+        return self.interval_s if self.backlog_drain_s is None else self.backlog_drain_s
 
     def bounds(self, pool: PoolName) -> tuple[int, int]:
         if pool == "prefill":

@@ -21,17 +21,44 @@ def decode_context_tokens(prompt_tokens: float, output_tokens: float) -> float:
     return prompt_tokens + output_tokens / 2
 
 
-def prefill_replicas(request_rate: float, prompt_tokens: float, correction: float,
-                     utilization_target: float, profile: Profile) -> int:  # fmt: skip
-    """ceil(prompt tokens/s x min(1, correction) / (one worker's prefill tokens/s x the
-    utilisation target)). A correction above 1 means TTFT is over the profile's because of
-    queueing, which the load term already answers, so it never inflates the count (a burst
-    would double it); one below 1 (prompts faster than profiled, e.g. prefix-cache hits)
-    shrinks it."""
-    if request_rate <= 0 or prompt_tokens <= 0:
+def prefill_workers(prompt_tokens_per_s: float, drain_tokens_per_s: float, prompt_tokens: float,
+                    utilization_target: float, profile: Profile) -> int:  # fmt: skip
+    """ceil(prompt tokens/s / (one worker's prefill tokens/s x the utilisation target)
+    + backlog tokens/s to drain / one worker's prefill tokens/s). A worker draining a backlog
+    is busy throughout, so that part needs no utilisation headroom; the arrivals' part does
+    (the wait behind other prompts)."""
+    if prompt_tokens_per_s <= 0 and drain_tokens_per_s <= 0:
         return 0
-    demand = request_rate * prompt_tokens * min(1.0, correction)
-    return _ceil(demand / (profile.prefill.tokens_per_s(prompt_tokens) * utilization_target))
+    speed = _prefill_speed(prompt_tokens, profile)
+    return _ceil(prompt_tokens_per_s / (speed * utilization_target) + drain_tokens_per_s / speed)
+
+
+def prefill_replicas(request_rate: float, prompt_tokens: float, correction: float,
+                     utilization_target: float, profile: Profile,
+                     drain_tokens_per_s: float = 0.0) -> int:  # fmt: skip
+    """prefill_workers for rate x prompt tokens x min(1, correction). A correction above 1
+    means TTFT is over the profile's because of queueing, which the load term (and the
+    backlog's) already answers, so it never inflates the count (a burst would double it); one
+    below 1 (prompts faster than profiled, e.g. prefix-cache hits) shrinks it."""
+    demand = max(0.0, request_rate) * max(0.0, prompt_tokens) * min(1.0, correction)
+    return prefill_workers(demand, drain_tokens_per_s, prompt_tokens, utilization_target,
+                           profile)  # fmt: skip
+
+
+def backlog_tokens(queued_prompt_tokens: float, workers: int, prompt_tokens: float,
+                   ttft_target_s: float, profile: Profile) -> float:  # fmt: skip
+    """The queued prompt tokens beyond what `workers` prefill within the TTFT target: a prompt
+    arriving behind more than that waits past the target whatever the pool does next, so
+    this is what must be drained; the queue a busy pool always holds is not."""
+    within_target = workers * _prefill_speed(prompt_tokens, profile) * ttft_target_s
+    return max(0.0, queued_prompt_tokens - within_target)
+
+
+def _prefill_speed(prompt_tokens: float, profile: Profile) -> float:
+    """One worker's prompt tokens/s at this mean length; with no length known yet (no
+    traffic), at the shortest one profiled."""
+    length = prompt_tokens if prompt_tokens > 0 else profile.prefill.prompt_tokens[0]
+    return profile.prefill.tokens_per_s(length)
 
 
 def decode_replicas(request_rate: float, prompt_tokens: float, output_tokens: float,

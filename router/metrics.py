@@ -18,6 +18,10 @@ QUEUE_WAIT = Histogram(
     ["length_bucket"], buckets=_LATENCY_S,
 )  # fmt: skip
 QUEUE_DEPTH = Gauge("pdserve_router_queue_depth", "Requests waiting", ["length_bucket"])
+# With the prefill workers' pdserve_prefill_queued_tokens, the prefill backlog the planner reads.
+QUEUED_PROMPT_TOKENS = Gauge(
+    "pdserve_router_queued_prompt_tokens", "Prompt tokens of the requests waiting in the queue"
+)
 ROUTED = Counter("pdserve_router_routed_total", "Requests sent to a worker", ["role", "worker"])
 TTFT = Histogram(
     "pdserve_router_ttft_seconds", "Arrival at the router to the first token leaving it",

@@ -16,7 +16,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from planner.connector import Connector, LoadSource, Observation
+from planner.connector import Connector, LoadSource, Observation, PrefillFlow
 from planner.settings import PoolName
 from sim.costs import CostModel, StepShape
 from sim.scale import prefill_alone_s
@@ -63,6 +63,8 @@ class _Worker:
 @dataclass(slots=True)
 class _PrefillWorker(_Worker):
     free_s: float = 0.0  # when the prompt it is computing (if any) is done
+    started_s: float = 0.0  # when that prompt started
+    prompt_tokens: int = 0  # its length
 
 
 @dataclass(slots=True)
@@ -117,6 +119,9 @@ class Fleet(LoadSource, Connector):
         self._prefill_s: dict[int, float] = {}  # prompt length -> seconds (memo)
         self._interval = _Interval()
         self._seq = 0
+        self._queued_tokens = 0  # prompt tokens in self.queue
+        self._arrived_tokens = 0  # prompt tokens arrived so far
+        self._flow_read: tuple[float, int] | None = None  # (time, arrived tokens) last read
 
     # ---- the planner's view ---------------------------------------------------------------
     def replicas(self) -> dict[PoolName, int]:
@@ -149,7 +154,24 @@ class Fleet(LoadSource, Connector):
             itl_s=i.itl_sum_s / i.num_itl if i.num_itl else None,
             decode_batch_per_worker=i.batch_per_worker_sum / max(1, i.num_ticks),
             num_finished=i.num_finished, num_met_slo=i.num_met,
+            queued_prompt_tokens=self.queued_prompt_tokens(),
         )  # fmt: skip
+
+    def queued_prompt_tokens(self) -> float:
+        """What the prefill workers' and the router's gauges would sum to: prompt tokens
+        waiting, plus what is left to compute of the prompts in progress."""
+        left = sum(w.prompt_tokens * (w.free_s - self.now_s) / (w.free_s - w.started_s)
+                   for w in self.prefill if w.free_s > self.now_s > w.started_s)  # fmt: skip
+        return self._queued_tokens + left
+
+    def prefill_flow(self) -> PrefillFlow:
+        """Arrivals counted where they arrive, which is what prefilled + the queue's growth
+        amounts to."""
+        last = self._flow_read
+        self._flow_read = (self.now_s, self._arrived_tokens)
+        elapsed_s = 0.0 if last is None else self.now_s - last[0]
+        arriving = (self._arrived_tokens - last[1]) / elapsed_s if last and elapsed_s > 0 else 0.0
+        return PrefillFlow(self.queued_prompt_tokens(), arriving)
 
     def gpu_seconds(self, gpus_per_worker: dict[PoolName, int]) -> float:
         total = 0.0
@@ -165,6 +187,8 @@ class Fleet(LoadSource, Connector):
     def arrive(self, request: FleetRequest) -> None:
         self.requests.append(request)
         self.queue.append(request)
+        self._queued_tokens += request.prompt_tokens
+        self._arrived_tokens += request.prompt_tokens
         i = self._interval
         i.num_arrived += 1
         i.prompt_tokens += request.prompt_tokens
@@ -193,6 +217,8 @@ class Fleet(LoadSource, Connector):
             if start_s >= end_s:
                 return
             self.queue.popleft()
+            self._queued_tokens -= request.prompt_tokens
+            worker.started_s, worker.prompt_tokens = start_s, request.prompt_tokens
             worker.free_s = start_s + self._prefill_alone_s(request.prompt_tokens)
             last_chunk = (
                 request.prompt_tokens % self.config.chunk_tokens or self.config.chunk_tokens

@@ -97,7 +97,9 @@ def simulate(fleet: Fleet, day: Day, seed: int, planner: Planner | None = None) 
     """Runs the day, then ticks until every request has finished (with no decode pool: until
     every prompt has its first token)."""
     interval_s = planner.settings.interval_s if planner else math.inf
+    check_s = planner.settings.backlog_check_s if planner else 0.0
     next_plan_s = interval_s
+    next_check_s = check_s or math.inf
     arrivals = day.requests(seed)
     pending = next(arrivals, None)
 
@@ -112,9 +114,15 @@ def simulate(fleet: Fleet, day: Day, seed: int, planner: Planner | None = None) 
             fleet.arrive(pending)
             pending = next(arrivals, None)
         fleet.tick()
-        if planner is not None and fleet.now_s >= next_plan_s - 1e-9:
+        if planner is None:
+            continue
+        if fleet.now_s >= next_plan_s - 1e-9:
             planner.step(fleet.now_s)
             next_plan_s += interval_s
+        elif fleet.now_s >= next_check_s - 1e-9:  # between decisions, as run_forever checks
+            planner.check_backlog(fleet.now_s)
+        if fleet.now_s >= next_check_s - 1e-9:
+            next_check_s += check_s
 
 
 def outcome(fleet: Fleet) -> dict[str, Any]:
@@ -180,6 +188,7 @@ def run(seed: int = 0, day: Day = Day(), plots_dir: Path | None = None,
         rows[predictor] = outcome(fleet) | {
             "decisions": len(planner.decisions),
             "changes": sum(d.desired != d.actual for d in planner.decisions),
+            "backlog_scale_ups": len(planner.backlog_scale_ups),
             "max_replicas": {
                 pool: max(d.desired[pool] for d in planner.decisions)
                 for pool in ("prefill", "decode")
@@ -206,10 +215,8 @@ def run(seed: int = 0, day: Day = Day(), plots_dir: Path | None = None,
         except ImportError:
             print("(no PNG plots: matplotlib is not installed)", file=sys.stderr)
         else:
-            plot_planner(
-                {name: planner.decisions for name, (_, planner) in runs.items()},
-                plots_dir / "planner-replicas.png",
-            )
+            plot_planner({name: planner for name, (_, planner) in runs.items()},
+                         plots_dir / "planner-replicas.png")  # fmt: skip
     return {
         "slo_attainment": rows[best]["slo_attainment"],
         "gpu_hours_vs_best_static": rows[best]["gpu_hours_vs_best_static"],
@@ -231,6 +238,7 @@ def run(seed: int = 0, day: Day = Day(), plots_dir: Path | None = None,
                 "long_s": day.long_s,
             },
             "interval_s": settings("holt").interval_s,
+            "backlog_check_s": settings("holt").backlog_check_s,
             "startup_s": config.startup_s,
             "tick_s": config.tick_s,
             "seed": seed,
@@ -240,12 +248,13 @@ def run(seed: int = 0, day: Day = Day(), plots_dir: Path | None = None,
 
 def table(out: dict[str, Any]) -> str:
     lines = [f"{'predictor':<10}{'attainment':>11}{'GPU-hours':>10}{'max P':>6}{'max D':>6}"
-             f"{'changes':>8}{'best static':>12}{'its GPU-h':>10}{'ratio':>7}"]  # fmt: skip
+             f"{'changes':>8}{'backlog':>8}{'best static':>12}{'its GPU-h':>10}"
+             f"{'ratio':>7}"]  # fmt: skip
     for name, row in out["predictors"].items():
         static, ratio = row["best_static"], row["gpu_hours_vs_best_static"]
         lines.append(f"{name:<10}{row['slo_attainment']:>11.2%}{row['gpu_hours']:>10.1f}"
                      f"{row['max_replicas']['prefill']:>6}{row['max_replicas']['decode']:>6}"
-                     f"{row['changes']:>8}{static or 'none':>12}"
+                     f"{row['changes']:>8}{row['backlog_scale_ups']:>8}{static or 'none':>12}"
                      f"{row['best_static_gpu_hours'] or 0:>10.1f}"
                      f"{'-' if ratio is None else f'{ratio:.3f}':>7}")  # fmt: skip
     lines.append(

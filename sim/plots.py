@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pdserve.lengths import LENGTH_BUCKETS  # noqa: E402
-from planner.decision import Decision  # noqa: E402
+from planner.planner import Planner  # noqa: E402
 from sim.scenario import Result  # noqa: E402
 
 NUM_WINDOWS = 40
@@ -85,18 +85,24 @@ def _queue_depth(result: Result, path: Path) -> Path:
     return path
 
 
-def plot_planner(decisions: dict[str, list[Decision]], path: Path) -> Path:
-    """One panel per predictor: desired vs actual replicas per pool, and observed vs predicted
-    request rate on the right axis."""
-    fig, axes = plt.subplots(len(decisions), 1, figsize=(8, 2.6 * len(decisions)), sharex=True,
+def plot_planner(planners: dict[str, Planner], path: Path) -> Path:
+    """One panel per predictor: desired vs actual replicas per pool (triangles: the backlog
+    check's prefill scale-ups between decisions), and observed vs predicted request rate on the
+    right axis."""
+    fig, axes = plt.subplots(len(planners), 1, figsize=(8, 2.6 * len(planners)), sharex=True,
                              squeeze=False)  # fmt: skip
-    for ax, (name, runs) in zip(axes[:, 0], decisions.items(), strict=True):
+    for ax, (name, planner) in zip(axes[:, 0], planners.items(), strict=True):
+        runs = planner.decisions
         minutes = [d.time_s / 60 for d in runs]
         for pool, colour in (("prefill", "tab:blue"), ("decode", "tab:orange")):
             ax.step(minutes, [d.actual[pool] for d in runs], where="post", color=colour,
                     label=f"{pool} actual")  # fmt: skip
             ax.step(minutes, [d.desired[pool] for d in runs], where="post", color=colour,
                     linestyle="--", label=f"{pool} desired")  # fmt: skip
+        ups = planner.backlog_scale_ups
+        ax.scatter([u.time_s / 60 for u in ups], [u.desired["prefill"] for u in ups],
+                   marker="^", color="tab:blue", s=18, zorder=3,
+                   label="prefill backlog scale-up")  # fmt: skip
         ax.set_ylabel("replicas")
         ax.set_title(f"{name}", fontsize=9)
         load = ax.twinx()

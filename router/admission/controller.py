@@ -358,3 +358,4 @@ class Admission:
     def _observe_depth(self) -> None:
         for bucket, gauge in self._depth_gauges.items():
             gauge.set(self.queue.depth(bucket))
+        metrics.QUEUED_PROMPT_TOKENS.set(self.queue.num_prompt_tokens)

@@ -22,6 +22,7 @@ class AdmissionQueue:
         self._queues: dict[LengthBucket, deque[Ticket]] = {b: deque() for b in LENGTH_BUCKETS}
         self._sequence: dict[str, int] = {}  # push order: the last tie-break
         self._num_pushed = 0
+        self.num_prompt_tokens = 0  # of every queued request, together
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -33,6 +34,7 @@ class AdmissionQueue:
         self._queues[ticket.bucket].append(ticket)
         self._sequence[ticket.request_id] = self._num_pushed
         self._num_pushed += 1
+        self.num_prompt_tokens += ticket.num_prompt_tokens
 
     def peek(self) -> Ticket | None:
         heads = [q[0] for q in self._queues.values() if q]
@@ -42,6 +44,7 @@ class AdmissionQueue:
         ticket = self.peek()
         assert ticket is not None, "pop from an empty admission queue"
         del self._sequence[ticket.request_id]
+        self.num_prompt_tokens -= ticket.num_prompt_tokens
         return self._queues[ticket.bucket].popleft()
 
     def remove(self, ticket: Ticket) -> bool:
@@ -50,6 +53,7 @@ class AdmissionQueue:
         except ValueError:
             return False
         del self._sequence[ticket.request_id]
+        self.num_prompt_tokens -= ticket.num_prompt_tokens
         return True
 
     def tokens_ahead(self, ticket: Ticket) -> int:

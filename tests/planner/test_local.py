@@ -109,3 +109,31 @@ def test_an_interval_is_the_counters_increases_across_the_pages(pages):
         assert (second.num_requests, second.prompt_tokens, second.output_tokens) == (1, 50.0, 8.0)
         assert second.itl_s is None and second.decode_batch_per_worker == 1.0
         assert second.ttft_s == pytest.approx(2.0)
+
+
+def test_the_backlog_and_the_arriving_prompt_tokens_from_the_pages(pages):
+    router, prefill = pages(), pages()
+    in_router = Gauge("pdserve_router_queued_prompt_tokens", "", registry=router.registry)
+    in_worker = Gauge("pdserve_prefill_queued_tokens", "", registry=prefill.registry)
+    prompt = Counter("pdserve_prefill_prompt_tokens", "", ["source"], registry=prefill.registry)
+    now = [100.0]
+    with RedisServer() as redis_server:
+        Registry(redis_server.url).publish(entry("prefill", "prefill-0", prefill.url), ttl_s=60)
+        source = ScrapedSource(
+            Cluster([Router(router.url.removesuffix("/metrics"))], redis_server.url), 10.0,
+            clock=lambda: now[0],
+        )  # fmt: skip
+        in_router.set(600)
+        in_worker.set(400)
+        prompt.labels("computed").inc(5000)
+        first = source.prefill_flow()  # starts the measure
+        assert (first.queued_prompt_tokens, first.arriving_tokens_per_s) == (1000.0, 0.0)
+        # 2 s later: 3,000 prompt tokens prefilled and the backlog grew by 1,000, so 4,000
+        # arrived: 2,000/s.
+        now[0] = 102.0
+        prompt.labels("computed").inc(3000)
+        in_router.set(1500)
+        in_worker.set(500)
+        second = source.prefill_flow()
+        assert (second.queued_prompt_tokens, second.arriving_tokens_per_s) == (2000.0, 2000.0)
+        assert source.observe().queued_prompt_tokens == 2000.0

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from planner.connector import Connector, LoadSource, Observation
+from planner.connector import Connector, LoadSource, Observation, PrefillFlow
 from planner.metrics import PlannerMetrics
 from planner.planner import Planner
 from planner.settings import PlannerSettings
@@ -20,11 +21,15 @@ class Script(LoadSource, Connector):
 
     def __init__(self, observations: list[Observation], prefill: int, decode: int) -> None:
         self.observations = list(observations)
+        self.flows: list[PrefillFlow] = []
         self.counts = {"prefill": prefill, "decode": decode}
         self.calls: list[tuple[str, int]] = []
 
     def observe(self) -> Observation:
         return self.observations.pop(0)
+
+    def prefill_flow(self) -> PrefillFlow | None:
+        return self.flows.pop(0) if self.flows else super().prefill_flow()
 
     def replicas(self):
         return dict(self.counts)
@@ -124,6 +129,77 @@ def test_the_budget_caps_the_total(profile):
     assert decision.formula == {"prefill": 4, "decode": 5}
     assert decision.desired == {"prefill": 3, "decode": 3}
     assert decision.limited_by == ("gpu_budget",)
+
+
+@pytest.mark.parametrize(("drain_s", "prefill"), [(None, 3), (10.0, 4)])
+def test_the_backlog_is_drained_within_the_horizon(profile, drain_s, prefill):
+    # 44,000 tokens queued; 1 worker prefills 2,000 within the 0.5 s target: 42,000 backlog.
+    # Over one interval (60 s) 700 tokens/s: 8,000 / 4,000 + 700 / 4,000 = 2.175 -> 3; over
+    # 10 s 4,200/s: 3.05 -> 4.
+    backlogged = replace(interval(20.0), queued_prompt_tokens=44000.0)
+    planner, _, _ = make(profile, [backlogged], backlog_drain_s=drain_s)
+    decision = planner.step(60.0)
+    assert (decision.queued_prompt_tokens, decision.backlog_tokens) == (44000.0, 42000.0)
+    assert decision.formula == {"prefill": prefill, "decode": 3}
+
+
+def test_a_queue_within_the_target_adds_nothing(profile):
+    # 2,000 queued: what 1 worker prefills within 0.5 s
+    planner, _, _ = make(profile, [replace(interval(20.0), queued_prompt_tokens=2000.0)])
+    decision = planner.step(60.0)
+    assert (decision.backlog_tokens, decision.formula["prefill"]) == (0.0, 2)
+
+
+def test_the_backlog_check_grows_prefill_at_once(profile, caplog):
+    planner, script, registry = make(profile, [interval(20.0)])
+    planner.step(60.0)  # 2 prefill, 3 decode
+    # within the target (2 x 4,000 x 0.5 = 4,000): nothing; then 16,000 queued (12,000 over)
+    # with 12,000 prompt tokens/s arriving: 12,000 / 4,000 + 12,000 / 60 / 4,000 -> 4
+    script.flows = [PrefillFlow(4000.0, 12000.0), PrefillFlow(16000.0, 12000.0)]
+    assert planner.check_backlog(65.0) is None
+    with caplog.at_level(logging.INFO, logger="pdserve.planner"):
+        scale_up = planner.check_backlog(70.0)
+    assert scale_up is not None
+    assert (scale_up.backlog_tokens, scale_up.prompt_tokens, scale_up.formula) == (
+        12000.0, 400.0, 4)  # fmt: skip
+    assert scale_up.desired == {"prefill": 4, "decode": 3}
+    assert scale_up.actual == {"prefill": 2, "decode": 3}
+    assert scale_up.limited_by == ()
+    assert script.calls[-1] == ("prefill", 4) and len(script.calls) == 3
+    assert planner.backlog_scale_ups == [scale_up]
+    logged = json.loads(caplog.records[-1].getMessage().removeprefix("planner backlog scale-up "))
+    assert logged["desired"] == {"prefill": 4, "decode": 3}
+    assert registry.get_sample_value("pdserve_planner_backlog_scale_ups_total") == 1
+    assert registry.get_sample_value("pdserve_planner_replicas",
+                                     {"pool": "prefill", "kind": "desired"}) == 4  # fmt: skip
+    assert registry.get_sample_value("pdserve_planner_queued_prompt_tokens",
+                                     {"kind": "backlog"}) == 12000.0  # fmt: skip
+
+
+def test_the_backlog_check_keeps_decode_within_the_budget_and_never_shrinks(profile):
+    planner, script, _ = make(profile, [interval(20.0)], gpu_budget=6)
+    planner.step(60.0)  # 2 prefill, 3 decode
+    script.flows = [PrefillFlow(16000.0, 12000.0), PrefillFlow(16000.0, 0.0)]
+    scale_up = planner.check_backlog(65.0)
+    assert scale_up is not None
+    assert (scale_up.formula, scale_up.desired) == (4, {"prefill": 3, "decode": 3})
+    assert scale_up.limited_by == ("gpu_budget",)
+    # 10,000 over (3 workers: 6,000 within the target) but nothing arriving: 10,000 / 60 /
+    # 4,000 -> 1 worker, fewer than the 3 there: no change
+    assert planner.check_backlog(70.0) is None
+    assert script.calls[-1] == ("prefill", 3)
+
+
+def test_the_backlog_check_needs_a_source_that_tells(profile):
+    planner, script, _ = make(profile, [interval(20.0)])
+    planner.step(60.0)
+    assert planner.check_backlog(65.0) is None  # the Script's flows are empty: None
+    script.flows = [PrefillFlow(0.0, 12000.0), PrefillFlow(16000.0, 12000.0)]
+    script.replicas = None  # an empty queue is no backlog: the pools are not even read
+    assert planner.check_backlog(66.0) is None
+    del script.replicas
+    planner.settings = planner.settings.model_copy(update={"scale_up_cooldown_s": 30.0})
+    assert planner.check_backlog(70.0) is None  # 10 s after the last change: cooling down
 
 
 def test_metrics_export_the_decision(profile):

@@ -27,6 +27,11 @@ ANSWERS = {
     "sum(increase(pdserve_prefill_prompt_tokens_total[60s]))": vector(({}, 48000.0)),
     "sum(increase(pdserve_decode_output_tokens_total[60s]))": vector(({}, 24000.0)),
     "avg(pdserve_decode_running_requests)": vector(({}, 12.5)),
+    "(sum(pdserve_router_queued_prompt_tokens) or vector(0)) + "
+    "(sum(pdserve_prefill_queued_tokens) or vector(0))": vector(({}, 9000.0)),
+    "(sum(rate(pdserve_prefill_prompt_tokens_total[60s])) or vector(0)) + "
+    "(sum(deriv(pdserve_router_queued_prompt_tokens[60s])) or vector(0)) + "
+    "(sum(deriv(pdserve_prefill_queued_tokens[60s])) or vector(0))": vector(({}, 1300.0)),
     "sum by (pod) (pdserve_decode_running_requests)": vector(
         ({"pod": "d-0"}, 3.0), ({"pod": "d-1"}, 0.0)
     ),  # fmt: skip
@@ -66,11 +71,12 @@ def prometheus() -> Iterator[dict]:
 
 def test_observation_from_the_interval_queries(prometheus):
     obs = PrometheusSource(prometheus["url"], 60.0).observe()
-    assert [path for path, _ in prometheus["queries"]] == ["/api/v1/query"] * 7
-    assert [q for _, q in prometheus["queries"]] == list(ANSWERS)[:7]
+    assert [path for path, _ in prometheus["queries"]] == ["/api/v1/query"] * 8
+    assert [q for _, q in prometheus["queries"]] == list(ANSWERS)[:8]
     assert (obs.interval_s, obs.num_requests, obs.request_rate) == (60.0, 120, 2.0)
     assert (obs.prompt_tokens, obs.output_tokens) == (400.0, 200.0)
     assert (obs.ttft_s, obs.itl_s, obs.decode_batch_per_worker) == (0.25, 0.025, 12.5)
+    assert obs.queued_prompt_tokens == 9000.0
     assert obs.slo_attainment is None  # not observable from histograms
 
 
@@ -78,6 +84,14 @@ def test_no_traffic_yet_is_an_empty_interval(prometheus):
     prometheus["answers"] = {}
     obs = PrometheusSource(prometheus["url"], 60.0).observe()
     assert (obs.num_requests, obs.prompt_tokens, obs.ttft_s, obs.itl_s) == (0, 0.0, None, None)
+    assert obs.queued_prompt_tokens == 0.0
+
+
+def test_the_prefill_flow_is_the_backlog_and_the_arriving_prompt_tokens(prometheus):
+    # Arriving: prefilled tokens/s plus the router's and the workers' queues' slopes.
+    flow = PrometheusSource(prometheus["url"], 60.0).prefill_flow()
+    assert [q for _, q in prometheus["queries"]] == list(ANSWERS)[7:9]
+    assert (flow.queued_prompt_tokens, flow.arriving_tokens_per_s) == (9000.0, 1300.0)
 
 
 def test_pod_loads_by_pod_label(prometheus):

@@ -7,8 +7,10 @@ import pytest
 from planner.settings import PlannerSettings
 from planner.sizing import (
     after_cooldown,
+    backlog_tokens,
     decode_replicas,
     prefill_replicas,
+    prefill_workers,
     within_bounds,
     within_budget,
 )
@@ -32,6 +34,45 @@ def test_prefill_replicas(profile, rate, correction, utilization, replicas):
 def test_prefill_replicas_ceil_ignores_float_dust(profile):
     # 3 x 0.1 x (4000 / 3) / 400 is 1.0000000000000002 in floats, exactly 1 in reals
     assert prefill_replicas(3 * 0.1, 4000 / 3, 1.0, 1.0, profile) == 1
+
+
+@pytest.mark.parametrize(
+    ("arriving", "drain", "replicas"),
+    [
+        (4000.0, 0.0, 2),  # 4,000 tokens/s on 4,000/s workers kept half busy
+        (4000.0, 2000.0, 3),  # + half a worker busy throughout on the backlog: 2.5
+        (0.0, 4000.0, 1),  # a backlog alone: no headroom needed
+        (0.0, 4001.0, 2),
+        (0.0, 0.0, 0),
+    ],
+)
+def test_prefill_workers_add_the_backlog_without_headroom(profile, arriving, drain, replicas):
+    assert prefill_workers(arriving, drain, 400, 0.5, profile) == replicas
+
+
+def test_prefill_replicas_with_a_backlog_to_drain(profile):
+    # 4,000 prompt tokens/s at half busy: 2; 4,000/s of backlog: one more worker
+    assert prefill_replicas(10.0, 400, 1.0, 0.5, profile, drain_tokens_per_s=4000.0) == 3
+    # a correction over 1 still counts neither term twice
+    assert prefill_replicas(10.0, 400, 3.0, 0.5, profile, drain_tokens_per_s=4000.0) == 3
+    # no traffic forecast (rate or length 0), a backlog all the same: at 400 tokens' speed
+    assert prefill_replicas(0.0, 0.0, 1.0, 0.5, profile, drain_tokens_per_s=4000.0) == 1
+
+
+@pytest.mark.parametrize(
+    ("queued", "workers", "prompt_tokens", "backlog"),
+    [
+        (5000.0, 2, 400, 1000.0),  # 2 workers x 4,000/s x 0.5 s = 4,000 within the target
+        (4000.0, 2, 400, 0.0),
+        (3000.0, 2, 1000, 0.0),  # 1,000-token prompts: 4,000/s too
+        (5000.0, 0, 400, 5000.0),  # no worker: all of it
+        (5000.0, 2, 0, 1000.0),  # no length known: at the shortest profiled (400)
+    ],
+)
+def test_backlog_is_what_the_pool_cannot_prefill_within_the_target(
+    profile, queued, workers, prompt_tokens, backlog
+):
+    assert backlog_tokens(queued, workers, prompt_tokens, 0.5, profile) == backlog
 
 
 @pytest.mark.parametrize(

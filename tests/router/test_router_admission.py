@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 from router_harness import Clock, pool_of, ticket, worker
 
 from router.admission import Admission, AdmissionQueue
@@ -84,6 +85,17 @@ def test_tokens_ahead_counts_only_requests_served_earlier():
     assert queue.tokens_ahead(long_) == 100
 
 
+def test_the_queued_prompt_tokens_follow_push_pop_and_remove():
+    queue = AdmissionQueue(LENGTH_AWARE)
+    long_, medium, short = (ticket("L", 3000), ticket("M", 1000), ticket("S", 100))
+    for t in (long_, medium, short):
+        queue.push(t)
+    assert queue.num_prompt_tokens == 4100
+    assert queue.pop() is short and queue.num_prompt_tokens == 4000
+    assert queue.remove(long_) and queue.num_prompt_tokens == 1000
+    assert not queue.remove(long_) and queue.num_prompt_tokens == 1000
+
+
 # ---- the controller -------------------------------------------------------------------------
 def admission(*infos, clock=None, **settings) -> Admission:
     admission_settings = AdmissionSettings(**settings)
@@ -104,6 +116,7 @@ def test_short_request_overtakes_queued_long_ones_when_budget_frees():
         ]
         await asyncio.sleep(0)
         assert [adm.queue.depth(b) for b in ("short", "long")] == [1, 2]
+        assert REGISTRY.get_sample_value("pdserve_router_queued_prompt_tokens") == 6100
         served, lease = [], first
         for _ in waiting:
             lease.end_prefill()  # the worker finished a prefill: the next one goes
@@ -114,6 +127,7 @@ def test_short_request_overtakes_queued_long_ones_when_budget_frees():
         return served
 
     assert asyncio.run(scenario()) == ["S", "L1", "L2"]
+    assert REGISTRY.get_sample_value("pdserve_router_queued_prompt_tokens") == 0
 
 
 @pytest.mark.parametrize("overflow", ["queue", "decode"])

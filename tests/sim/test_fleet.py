@@ -77,3 +77,16 @@ def test_a_draining_decode_worker_finishes_its_requests_first(cost):
     run_until_done(fleet)
     fleet.tick()
     assert fleet.decode == [] and fleet.requests[0].done_s is not None
+
+
+def test_the_backlog_and_the_arriving_prompt_tokens(cost):
+    fleet = Fleet(cost, FleetConfig(), prefill=1, decode=1)
+    assert fleet.prefill_flow().arriving_tokens_per_s == 0.0  # starts the measure
+    for t in (0.0, 0.01):
+        fleet.arrive(FleetRequest(t, 3000, 10))
+    fleet.tick()  # the first prompt starts at 0, the second waits
+    flow = fleet.prefill_flow()
+    left = 3000 * (fleet.prefill[0].free_s - fleet.now_s) / fleet.prefill[0].free_s
+    assert flow.queued_prompt_tokens == pytest.approx(3000 + left)
+    assert flow.arriving_tokens_per_s == pytest.approx(6000 / fleet.config.tick_s)
+    assert fleet.observe().queued_prompt_tokens == pytest.approx(3000 + left)

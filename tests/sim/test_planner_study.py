@@ -30,6 +30,6 @@ def test_planner_study_prints_its_json_last(tmp_path):
     for row in last["predictors"].values():
         assert 0.0 <= row["slo_attainment"] <= 1.0
         assert row["decisions"] >= 6  # one a minute, until the last request ends
-        assert {"gpu_hours", "best_static", "meets_targets"} <= set(row)
+        assert {"gpu_hours", "best_static", "meets_targets", "backlog_scale_ups"} <= set(row)
     assert json.loads((tmp_path / "planner.json").read_text()) == last
     assert (tmp_path / "planner-replicas.png").stat().st_size > 0
