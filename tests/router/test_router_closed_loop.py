@@ -1,6 +1,7 @@
 """A closed loop is bounded load: 32 clients that each send their next request when the last
 one ends, against `pdserve up` with its default settings, are all served (no 429), however
-long the queue makes them wait."""
+long the queue makes them wait; the prompts the prefill worker's budget leaves over are
+partly computed by the decode worker (`pdserve up`'s prefill overflow)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import httpx
 from router_harness import pdserve_up
 
 from pdserve.redis_server import free_port
+from tests.cluster import sample_value
 
 NUM_CLIENTS = 32
 NUM_ROUNDS = 2
@@ -37,5 +39,10 @@ def test_32_closed_loop_clients_get_no_429_under_default_settings(tmp_path):
         "--http-port", str(http_port), "--grpc-port", str(free_port()), "--no-warmup",
         "--kv-backend", "tcp", "--log-dir", str(tmp_path),
     ):  # fmt: skip
-        statuses = asyncio.run(closed_loop(f"http://127.0.0.1:{http_port}"))
+        url = f"http://127.0.0.1:{http_port}"
+        statuses = asyncio.run(closed_loop(url))
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert statuses == [200] * (NUM_CLIENTS * NUM_ROUNDS)
+    # 32 prompts of ~190 tokens at once are thrice the prefill worker's 2,048-token budget.
+    assert sample_value(metrics, "pdserve_router_routed_total", role="decode_prefill",
+                        worker="decode-0") > 0  # fmt: skip

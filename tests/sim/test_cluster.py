@@ -47,6 +47,24 @@ def test_a_burst_over_the_queue_limit_gets_exact_429s(cost: LinearCost):
     assert summary["requests_per_worker"] == {"p0": 8, "p1": 8}
 
 
+def test_with_prefill_overflow_the_decode_worker_computes_what_the_budgets_leave(
+    cost: LinearCost,
+):
+    """The same burst with prefill_overflow "decode": 3 + 3 prompts go to the prefill
+    workers, 3 more (its own 300-token budget) whole to the decode worker, 10 wait (and go to
+    whichever worker's budget frees first) and the other 21 are rejected."""
+    admission = AdmissionSettings(prefill_token_budget=300, max_queued_requests=10,
+                                  max_queue_wait_s=1000.0, prefill_overflow="decode")  # fmt: skip
+    load = OpenLoop(0.0, 10.0, bursts_s=(1.0,), burst_size=40)
+    result = simulate(Scenario("burst", pd_cluster(admission=admission), PROMPT_100, load), cost)
+    summary = result.summary()
+    assert summary["rejected_by_reason"] == {"queue_full": 21}
+    assert summary["completed"] == 19
+    assert summary["requests_per_worker"] == {"p0": 6, "p1": 6, "d0": 7}
+    assert {r.decode_worker for r in result.records if r.status == 200} == {"d0"}
+    assert {r.num_output_tokens for r in result.records if r.status == 200} == {5}
+
+
 def test_two_router_replicas_hold_each_worker_within_its_budget_plus_one_request_each(
     cost: LinearCost,
 ):
