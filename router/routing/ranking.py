@@ -84,7 +84,10 @@ class Ranking:
         self._min[i] = keys[0] if keys else None
         while i > 1:
             i //= 2
-            self._min[i] = _least(self._min[2 * i], self._min[2 * i + 1])
+            least = _least(self._min[2 * i], self._min[2 * i + 1])
+            if least == self._min[i]:  # and so are its ancestors'
+                break
+            self._min[i] = least
 
     def _within(self, ticket: Ticket) -> list[int]:
         """The tree's nodes that together cover the leaves within the budget for the ticket."""
