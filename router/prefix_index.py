@@ -49,35 +49,78 @@ class Choice:
 
 
 @dataclass(slots=True)
+class _WorkerBits:
+    """A bit per worker the index follows, so the workers holding a block are one int. There
+    is an entry per block cached anywhere in the fleet (millions at 1,024 workers), made as
+    the block is first cached: as a set each was a container the garbage collector counts and
+    tracks, and the collections it set off inside the index's updates cost more the larger
+    the fleet. An int is neither. A forgotten worker's bit goes to the next new one (the
+    lowest free first), so the masks stay as long as the fleet is large."""
+
+    _bits: dict[str, int] = field(default_factory=dict)  # worker id -> its bit, 1 << n
+    _ids: list[str | None] = field(default_factory=list)  # worker id by n; None: free
+
+    def bit(self, worker_id: str) -> int:
+        """The worker's bit, given it on first use."""
+        bit = self._bits.get(worker_id)
+        if bit is None:
+            n = next((n for n, held in enumerate(self._ids) if held is None), len(self._ids))
+            if n == len(self._ids):
+                self._ids.append(None)
+            self._ids[n] = worker_id
+            bit = self._bits[worker_id] = 1 << n
+        return bit
+
+    def free(self, worker_id: str) -> None:
+        """Once no mask holds the worker's bit any more."""
+        bit = self._bits.pop(worker_id, None)
+        if bit is not None:
+            self._ids[bit.bit_length() - 1] = None
+
+    def worker_ids(self, mask: int) -> set[str]:
+        ids: set[str] = set()
+        while mask:
+            lowest = mask & -mask
+            ids.add(self._ids[lowest.bit_length() - 1])  # type: ignore[arg-type]  # never free
+            mask ^= lowest
+        return ids
+
+
+@dataclass(slots=True)
 class _TierIndex:
     """One tier across the workers: per worker the block hashes it holds, and per block hash
-    the workers holding it."""
+    the workers holding it (their bits OR-ed, _WorkerBits)."""
 
     cached: dict[str, set[bytes]] = field(default_factory=dict)
-    holders: dict[bytes, set[str]] = field(default_factory=dict)
+    holders: dict[bytes, int] = field(default_factory=dict)
 
     def apply(
-        self, worker_id: str, is_snapshot: bool, stored: tuple[bytes, ...],
+        self, worker_id: str, bit: int, is_snapshot: bool, stored: tuple[bytes, ...],
         evicted: tuple[bytes, ...],
     ) -> None:  # fmt: skip
-        cached = self.cached.setdefault(worker_id, set())
-        self.forget(worker_id, cached.difference(stored) if is_snapshot else evicted)
+        cached = self.cached.get(worker_id)
+        if cached is None:
+            cached = self.cached[worker_id] = set()
+        self.forget(worker_id, bit, cached.difference(stored) if is_snapshot else evicted)
+        holders = self.holders
         for block_hash in stored:
             cached.add(block_hash)
-            self.holders.setdefault(block_hash, set()).add(worker_id)
+            holders[block_hash] = holders.get(block_hash, 0) | bit
 
-    def forget(self, worker_id: str, block_hashes: Iterable[bytes]) -> None:
+    def forget(self, worker_id: str, bit: int, block_hashes: Iterable[bytes]) -> None:
         cached = self.cached.get(worker_id, set())
+        holders = self.holders
         for block_hash in block_hashes:
             cached.discard(block_hash)
-            holders = self.holders.get(block_hash)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self.holders[block_hash]
+            held = holders.get(block_hash)
+            if held is not None:
+                if held := held & ~bit:
+                    holders[block_hash] = held
+                else:
+                    del holders[block_hash]
 
-    def drop(self, worker_id: str) -> None:
-        self.forget(worker_id, self.cached.pop(worker_id, set()))
+    def drop(self, worker_id: str, bit: int) -> None:
+        self.forget(worker_id, bit, self.cached.pop(worker_id, set()))
 
 
 @dataclass(slots=True)
@@ -88,6 +131,7 @@ class PrefixIndex:
 
     pool: _TierIndex = field(default_factory=_TierIndex)
     host: _TierIndex = field(default_factory=_TierIndex)
+    _bits: _WorkerBits = field(default_factory=_WorkerBits)
     _positions: dict[str, str] = field(default_factory=dict)  # last stream entry id read
     _seqs: dict[str, int] = field(default_factory=dict)  # last entry number applied
     _last_overlap: dict[str, int] = field(default_factory=dict)
@@ -109,8 +153,10 @@ class PrefixIndex:
             return False
         if update.seq is not None:
             self._seqs[worker_id] = update.seq
-        self.pool.apply(worker_id, update.is_snapshot, update.stored, update.evicted)
-        self.host.apply(worker_id, update.is_snapshot, update.host_stored, update.host_evicted)
+        bit = self._bits.bit(worker_id)
+        self.pool.apply(worker_id, bit, update.is_snapshot, update.stored, update.evicted)
+        self.host.apply(worker_id, bit, update.is_snapshot, update.host_stored,
+                        update.host_evicted)  # fmt: skip
         self._positions[worker_id] = entry_id
         _STORED.inc(len(update.stored) + len(update.host_stored))
         _EVICTED.inc(len(update.evicted) + len(update.host_evicted))
@@ -124,8 +170,10 @@ class PrefixIndex:
     def _reset(self, worker_id: str) -> None:
         self._positions.pop(worker_id, None)
         self._seqs.pop(worker_id, None)
-        self.pool.drop(worker_id)
-        self.host.drop(worker_id)
+        bit = self._bits.bit(worker_id)
+        self.pool.drop(worker_id, bit)
+        self.host.drop(worker_id, bit)
+        self._bits.free(worker_id)
         self._last_overlap.pop(worker_id, None)
 
     def position(self, worker_id: str) -> str:
@@ -143,7 +191,9 @@ class PrefixIndex:
         if not ticket.block_hashes:
             return set()
         first = ticket.block_hashes[0]
-        return self.pool.holders.get(first, set()) | self.host.holders.get(first, set())
+        return self._bits.worker_ids(
+            self.pool.holders.get(first, 0) | self.host.holders.get(first, 0)
+        )
 
     def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> int:
         """The leading prompt tokens the worker's cache holds, a token in its host tier only

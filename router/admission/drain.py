@@ -90,6 +90,8 @@ class PoolSpeed:
     _total: int = 0  # in units of 2**-EXACT_SHIFT
 
     def changed(self, old: WorkerView | None, new: WorkerView | None) -> None:
+        if old is not None and new is not None and old.tokens_per_s == new.tokens_per_s:
+            return  # its speed stands: most changes are to a worker's load alone
         if old is not None:
             self.count(old.worker_id, -1)
             del self.reported[old.worker_id]

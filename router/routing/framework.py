@@ -3,7 +3,6 @@ give each survivor a cost (lower is better), and a picker chooses among them."""
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -142,14 +141,14 @@ class Policy:
 
     def _walked_cheapest(self, workers: RoleViews, ticket: Ticket) -> WorkerView | None | bool:
         """The cheapest candidate without prefix credit, for a policy that also weighs KV use
-        (1 - (free - request's blocks) / KV size), among workers of one KV size. They are kept
-        in order of the cost less KV use's request-dependent part, which is the same shift for
-        all of them, so the walk stops once the next key plus the shift is over the best cost
-        found; once one is the best, the rest with its own cost and free blocks (higher ids)
-        are skipped. The walk reads no further than a scan of every candidate would, and
-        usually a few workers (it once gave up after 64 and scored every candidate instead:
-        that fallback was most of the router's growth with the worker count). None: no
-        candidate; False: the workers' KV sizes differ, score them all."""
+        (1 - (free - request's blocks) / KV size), among workers of one KV size. The workers
+        within the prefill budget are read in order of the cost less KV use's
+        request-dependent part, which is the same shift for all of them, so the walk stops once
+        the next key plus the shift is over the best cost found; once one is the best, the rest
+        with its own cost and free blocks (higher ids) are skipped. The walk reads no further
+        than a scan of every candidate would, and usually a few workers: the workers over the
+        budget are never read (they were read and refused one by one, more of them the larger
+        the fleet). None: no candidate; False: the workers' KV sizes differ, score them all."""
         if not workers.one_kv_size():
             return False
         if not self._may_fit(workers, ticket):
@@ -157,24 +156,22 @@ class Policy:
         num_blocks = max(1, workers.largest_total_blocks())
         shift = sum(w * (1.0 + ticket.num_kv_blocks / num_blocks) for w, _ in self._kv_use)
         ranking = workers.index(self, self._new_ranking)
-        keys = ranking.ordered()
+        keys = ranking.in_order(ticket)
         best: tuple[float, str] | None = None
-        i = 0
-        while i < len(keys):
-            key, own, fewer_free, worker_id = keys[i]
+        next_key = keys.next()
+        while next_key is not None:
+            key, own, fewer_free, worker_id = next_key
             bound = key + shift
             if best is not None and bound - WALK_MARGIN * (1.0 + abs(bound)) > best[0]:
                 break
             view = ranking.view(worker_id)
-            if not self._keeps(view, ticket):
-                i += 1
-                continue
-            cost = (self._uncredited_cost(view, ticket), worker_id)
-            if best is None or cost < best:
-                best = cost
-                i = bisect_right(keys, (key, own, fewer_free + 0.5))  # past its equals' keys
-            else:
-                i += 1
+            past: Key | None = None
+            if self._keeps(view, ticket):
+                cost = (self._uncredited_cost(view, ticket), worker_id)
+                if best is None or cost < best:
+                    best = cost
+                    past = (key, own, fewer_free + 0.5)  # past its equals' keys
+            next_key = keys.next(past)
         return None if best is None else ranking.view(best[1])
 
     def _may_fit(self, workers: RoleViews, ticket: Ticket) -> bool:
@@ -188,9 +185,7 @@ class Policy:
         return not self._needs_room or ticket.num_kv_blocks <= roomiest.free_blocks
 
     def _new_ranking(self) -> Ranking:
-        if self._kv_use:  # walked: every worker in one order, the budget a filter
-            return Ranking(self._walk_key, None)
-        return Ranking(self._own_key, self._budget)
+        return Ranking(self._walk_key if self._kv_use else self._own_key, self._budget)
 
     def _own_key(self, worker: WorkerView) -> Key:
         return (self._own_cost(worker), worker.worker_id)

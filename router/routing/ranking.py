@@ -1,7 +1,7 @@
 """Candidates kept in cost order, for a policy that picks the cheapest worker by costs that
 each worker's own view decides: its choice is found in O(log budget) whatever the number of
-workers, not by scoring every one. A ranking without a budget keeps every key in one sorted
-list, for a policy to walk (Policy._walked_cheapest).
+workers, not by scoring every one. A policy that walks the workers near the cheapest
+(Policy._walked_cheapest) reads the keys within the budget in order, the others never seen.
 
 Under a prefill token budget the cheapest worker within it is what matters, so workers are
 kept by their queued tokens (0..budget; one over it, or fenced, never passes) in a min segment
@@ -12,8 +12,9 @@ not the whole budget, which may be far larger."""
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
+from heapq import heapify, heappop, heappush, heapreplace
 from typing import Any
 
 from router.routing.filters import PrefillBudget
@@ -58,14 +59,15 @@ class Ranking:
 
     def cheapest(self, ticket: Ticket) -> WorkerView | None:
         """The cheapest worker within the budget (the other filters unchecked)."""
-        last = 0 if self._budget is None else self._budget.max_queued_tokens(ticket)
-        best = self._cheapest_up_to(min(last, self._num_leaves - 1))
+        best: Key | None = None
+        for node in self._within(ticket):
+            best = _least(best, self._min[node])
         return None if best is None else self._views[best[-1]]
 
-    def ordered(self) -> list[Key]:
-        """Every worker's key, in order (without a budget, the one leaf holds them all)."""
-        assert self._budget is None
-        return self._leaves.get(0, [])
+    def in_order(self, ticket: Ticket) -> InOrder:
+        """The keys of the workers within the budget, cheapest first (the other filters
+        unchecked)."""
+        return InOrder(self, self._within(ticket))
 
     def view(self, worker_id: str) -> WorkerView:
         return self._views[worker_id]
@@ -82,21 +84,63 @@ class Ranking:
         self._min[i] = keys[0] if keys else None
         while i > 1:
             i //= 2
-            self._min[i] = _least(self._min[2 * i], self._min[2 * i + 1])
+            least = _least(self._min[2 * i], self._min[2 * i + 1])
+            if least == self._min[i]:  # and so are its ancestors'
+                break
+            self._min[i] = least
 
-    def _cheapest_up_to(self, last: int) -> Key | None:
-        best: Key | None = None
-        lo, hi = self._num_leaves, last + self._num_leaves + 1  # leaves [0, last]
+    def _within(self, ticket: Ticket) -> list[int]:
+        """The tree's nodes that together cover the leaves within the budget for the ticket."""
+        last = 0 if self._budget is None else self._budget.max_queued_tokens(ticket)
+        nodes: list[int] = []
+        lo, hi = self._num_leaves, min(last, self._num_leaves - 1) + self._num_leaves + 1
         while lo < hi:
             if lo & 1:
-                best = _least(best, self._min[lo])
+                nodes.append(lo)
                 lo += 1
             if hi & 1:
                 hi -= 1
-                best = _least(best, self._min[hi])
+                nodes.append(hi)
             lo //= 2
             hi //= 2
-        return best
+        return nodes
+
+
+class InOrder:
+    """A ranking's keys within a budget, read cheapest first: its leaves merged lazily, led by
+    the tree's minima (a subtree is opened only when its cheapest is next), so a key read
+    costs O(log) however many workers are over the budget, not one step past each of them.
+    The ranking must not change while it is read."""
+
+    def __init__(self, ranking: Ranking, nodes: list[int]) -> None:
+        self._min, self._leaves = ranking._min, ranking._leaves
+        self._num_leaves = ranking._num_leaves
+        # (the cheapest key under the node, the node, the next key's index in a leaf's list)
+        self._heap = [(self._min[n], n, 0) for n in nodes if self._min[n] is not None]
+        heapify(self._heap)
+
+    def next(self, past: Key | None = None) -> Key | None:
+        """The cheapest key not read yet (None: none is left); past: the cheapest above it,
+        every key up to it skipped."""
+        heap = self._heap
+        while heap:
+            key, node, i = heap[0]
+            if node < self._num_leaves:  # a subtree: its halves take its place
+                heappop(heap)
+                for half in (2 * node, 2 * node + 1):
+                    if (least := self._min[half]) is not None:
+                        heappush(heap, (least, half, 0))
+                continue
+            keys = self._leaves[node - self._num_leaves]
+            skipped = past is not None and key <= past
+            i = bisect_right(keys, past, i) if skipped else i + 1
+            if i < len(keys):
+                heapreplace(heap, (keys[i], node, i))
+            else:
+                heappop(heap)
+            if not skipped:
+                return key
+        return None
 
 
 def _least(a: Key | None, b: Key | None) -> Key | None:

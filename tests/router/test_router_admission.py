@@ -96,6 +96,20 @@ def test_the_queued_prompt_tokens_follow_push_pop_and_remove():
     assert not queue.remove(long_) and queue.num_prompt_tokens == 1000
 
 
+def test_tokens_ahead_is_counted_again_once_the_queue_changes():
+    queue = AdmissionQueue(LENGTH_AWARE)
+    first, second = ticket("A", 100, arrival_s=0.0), ticket("B", 200, arrival_s=1.0)
+    probe = ticket("P", 50, arrival_s=2.0)
+    queue.push(first)
+    assert [queue.tokens_ahead(probe), queue.tokens_ahead(probe)] == [100, 100]
+    queue.push(second)
+    assert queue.tokens_ahead(probe) == 300
+    assert queue.pop() is first
+    assert queue.tokens_ahead(probe) == 200
+    assert queue.remove(second)
+    assert queue.tokens_ahead(probe) == 0
+
+
 # ---- the controller -------------------------------------------------------------------------
 def admission(*infos, clock=None, **settings) -> Admission:
     admission_settings = AdmissionSettings(**settings)

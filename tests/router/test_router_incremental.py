@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 import pytest
-from router_harness import Clock, ticket, with_load, worker
+from router_harness import Clock, pool_of, ticket, with_load, worker
 
 from engine.prefix_hash import prompt_block_hashes
 from pdserve.kv_events import CacheUpdate
@@ -17,6 +17,8 @@ from router.admission.drain import DrainRates
 from router.ledger import Assignment, Ledger, Share
 from router.prefix_index import PrefixIndex
 from router.routing import build_policies
+from router.routing.filters import PrefillBudget
+from router.routing.ranking import Ranking
 from router.settings import AdmissionSettings, RoutingSettings
 from router.workers import WorkerPool
 
@@ -194,6 +196,28 @@ def test_a_ranked_choice_that_another_filter_refuses_is_made_by_scanning():
     long_prompt = ticket("r", 1500)  # over a's context; the budget leaves b room for it
     assert policies.prefill.choose(pool.role_views("prefill"), ticket("s", 100)).worker_id == "a"
     assert policies.prefill.choose(pool.role_views("prefill"), long_prompt).worker_id == "b"
+
+
+def test_a_ranking_reads_the_workers_within_the_budget_cheapest_first():
+    # (queued tokens, cost) per worker; c is over the budget of 100 and never read.
+    loads = {"a": (0, 5.0), "b": (50, 1.0), "c": (150, 0.0), "d": (20, 3.0), "e": (20, 3.0)}
+    pool = pool_of(*(worker("prefill", w, queued_tokens=q) for w, (q, _) in loads.items()))
+    ranking = Ranking(lambda view: (loads[view.worker_id][1], view.worker_id), PrefillBudget(100))
+    for view in pool.role_views("prefill"):
+        ranking.changed(None, view)
+
+    def read(keys, past=None):
+        key = keys.next(past)
+        return None if key is None else key[-1]
+
+    keys = ranking.in_order(ticket("r", 60))  # within 40 queued tokens: a, d and e
+    assert [read(keys) for _ in range(4)] == ["d", "e", "a", None]
+    keys = ranking.in_order(ticket("r", 10))  # within 90: b too
+    assert read(keys) == "b"
+    assert read(keys, past=(3.0, "d")) == "e"  # every key up to d's skipped
+    assert read(keys, past=(9.0,)) is None  # a's too
+    assert read(ranking.in_order(ticket("r", 10)), past=(3.0,)) == "d"  # above (3.0,): d's
+    assert ranking.cheapest(ticket("r", 60)).worker_id == "d"
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -10,7 +10,7 @@ from router_harness import pool_of, ticket, with_load, worker
 
 from engine.prefix_hash import prompt_block_hashes
 from pdserve.kv_events import CacheUpdate
-from router.prefix_index import HOST_TOKEN_WORTH, Choice, PrefixIndex
+from router.prefix_index import HOST_TOKEN_WORTH, Choice, PrefixIndex, _WorkerBits
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 
@@ -136,6 +136,29 @@ def test_a_host_tier_hit_scores_below_a_pool_hit_and_above_a_miss():
     # Leaving the host tier is an eviction there: the block no longer counts.
     index.apply("host", "2-0", CacheUpdate(False, (), host_evicted=(HASHES[0],)))
     assert index.overlap_tokens(workers["host"], prompt_ticket()) == 0
+
+
+def test_worker_bits_go_lowest_free_first_and_read_back_as_ids():
+    bits = _WorkerBits()
+    assert [bits.bit(w) for w in ("a", "b", "c", "a")] == [0b1, 0b10, 0b100, 0b1]
+    assert bits.worker_ids(0b101) == {"a", "c"}
+    assert bits.worker_ids(0) == set()
+    bits.free("b")
+    bits.free("a")
+    assert [bits.bit(w) for w in ("d", "e", "f")] == [0b1, 0b10, 0b1000]
+    assert bits.worker_ids(0b1111) == {"d", "e", "c", "f"}
+
+
+def test_a_forgotten_workers_bit_credits_nothing_to_the_worker_given_it_next():
+    index = index_with({"a": 4, "b": 2})  # a has bit 0b01, b 0b10
+    index.retain({"b"})
+    assert index.pool.holders == {HASHES[0]: 0b10, HASHES[1]: 0b10}
+    index.apply("c", "1-0", CacheUpdate(True, HASHES[:1]))  # c is given a's bit
+    assert index.pool.holders == {HASHES[0]: 0b11, HASHES[1]: 0b10}
+    assert index.holders(prompt_ticket()) == {"b", "c"}
+    index.apply("b", "2-0", CacheUpdate(False, (), HASHES[:2]))
+    assert index.pool.holders == {HASHES[0]: 0b01}
+    assert index.holders(prompt_ticket()) == {"c"}
 
 
 def test_negative_weights_are_refused():
