@@ -2,8 +2,9 @@
 
 One local cluster as `pdserve up` starts it (Redis, 1 prefill + 1 decode worker, the router with
 --ttft-slo-s), but with the router's own prefill overflow (queue): admission predicts TTFT from
-the prefill pool, which is what this measures against what requests see; streaming completions of --prompt-tokens random words (no prefix cache hits) and
---max-tokens output tokens through the OpenAI API:
+the prefill pool, which is what this measures against what requests see. Streaming
+completions of --prompt-tokens random words (no prefix cache hits) and --max-tokens output
+tokens through the OpenAI API:
   capacity  a closed loop of --capacity-streams clients, --capacity-requests requests, through a
             second router on the same workers with no objective (shedding would make the loop
             look faster): completed req/s. --capacity-rps skips it.
