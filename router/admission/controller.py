@@ -212,9 +212,9 @@ class Admission:
         return self._overflow(ticket) if prefill is None else (prefill, decode, scored)
 
     def _overflow(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
-        """Every prefill worker is at its budget: with prefill_overflow "decode", a decode
-        worker chosen as an aggregated one is (the prompt on its prefill side, within the same
-        budget), and computes the prompt itself."""
+        """Every prefill worker is at its budget: with prefill_overflow "decode", the request
+        goes whole to a decode worker, chosen as an aggregated worker is (its prompt held on
+        that worker's prefill side, within the same budget), which computes the prompt."""
         if self.settings.prefill_overflow != "decode" or self.policies.aggregated is None:
             return None
         worker = self.policies.aggregated.choose(self.pool.role_views("decode"), ticket)
