@@ -254,6 +254,7 @@ def test_settings_configmap_and_env(default_docs, all_on_docs):
         "PDSERVE_CHUNK_SIZE": "1024",
         "PDSERVE_DRAIN_GRACE_S": "60",
         "PDSERVE_ROUTING_POLICY": "watermark",
+        "PDSERVE_PREFILL_OVERFLOW": "queue",
         "PDSERVE_PREFIX_PREFILL_WEIGHT": "0.6",
         "PDSERVE_PREFIX_DECODE_WEIGHT": "0.5",
         "REDIS_URL": "redis://rel-pdserve-redis:6379/0",
