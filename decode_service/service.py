@@ -129,8 +129,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         )
         loop = self.loop
         # Prefilled here: an aggregated worker always, a decode worker when the router asks.
-        aggregated = self.settings.aggregated or request.prefill_here
-        if aggregated:  # decoding from the start: the engine owns the request (and aborts it)
+        prefill_here = self.settings.aggregated or request.prefill_here
+        if prefill_here:  # decoding from the start: the engine owns the request (and aborts it)
             watch.begin_decoding()
             reserved, stream = loop.call(
                 lambda: self._start_locally(rid, prompt, params, num_prior)
@@ -150,7 +150,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         try:
             prefill: wpb.PrefillResponse | None = None
             try:
-                if not aggregated:
+                if not prefill_here:
                     prefill = self._remote_prefill(
                         rid, reserved, request, params, watch, deadline_s
                     )
@@ -175,11 +175,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                 if output.new_token_ids and not ttft_sent:
                     ttft_sent = True
                     message.ttft.CopyFrom(_ttft(request, prefill, started))
-                    if aggregated:  # queue and chunked prefill here are one span
+                    if prefill_here:  # queue and chunked prefill here are one span
                         message.ttft.prefill_compute_s = time.monotonic() - started
                 if stream.is_done:  # the last sample's last message
                     finished = True
-                    message.usage.CopyFrom(self._usage(reserved, prefill, num_output_tokens))
+                    message.usage.CopyFrom(
+                        self._usage(reserved, prefill, num_output_tokens, prefill_here)
+                    )
                 yield message
             metrics.REQUESTS.labels("ok").inc()
         except InvalidRequestError:
@@ -333,10 +335,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
             return self._channels[address]
 
     def _usage(
-        self, reserved: Request, prefill: wpb.PrefillResponse | None, num_output_tokens: int
-    ) -> pb.Usage:
+        self, reserved: Request, prefill: wpb.PrefillResponse | None, num_output_tokens: int,
+        prefill_here: bool,
+    ) -> pb.Usage:  # fmt: skip
         """The prompt once (sample 0's prefix hits), the output tokens of every sample."""
-        cached = reserved.num_cached_tokens if self.settings.aggregated else 0
+        cached = reserved.num_cached_tokens if prefill_here else 0
         return pb.Usage(
             prompt_tokens=reserved.num_prompt_tokens,
             completion_tokens=num_output_tokens,

@@ -62,7 +62,8 @@ def test_a_shared_prefix_transfers_only_the_missing_blocks(cluster, llm):
 
 def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, llm, reference):
     """DecodeRequest.prefill_here (the router's prefill overflow): the engine's tokens, and
-    no KV crosses the wire."""
+    no KV crosses the wire; asked again, its own prefix cache serves the prompt's 70 full
+    blocks, and the usage counts them."""
     prefill, decode = cluster.workers
     backend = cluster.kv_backend
     received = lambda: decode.metric(  # noqa: E731
@@ -71,12 +72,15 @@ def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, ll
     before = received()
     recipe = " ".join(f"Step {i}: stir in {i * 2} grams of flour." for i in range(80))
     prompt = llm.tokenizer.encode(recipe)  # seen by no earlier test; three chunks of 512
-    messages = generate(
-        decode.address, prompt, prefill.address, prefill_here=True, max_tokens=8,
-        temperature=0.0, ignore_eos=True,
-    )  # fmt: skip
-    assert token_ids(messages) == reference(prompt, 8)
-    assert messages[-1].finish_reason == "length"
-    assert messages[-1].usage.prompt_tokens == len(prompt)
+    assert len(prompt) // 16 == 70
+    for cached in (0, 70 * 16):
+        messages = generate(
+            decode.address, prompt, prefill.address, prefill_here=True, max_tokens=8,
+            temperature=0.0, ignore_eos=True,
+        )  # fmt: skip
+        assert token_ids(messages) == reference(prompt, 8)
+        assert messages[-1].finish_reason == "length"
+        usage = messages[-1].usage
+        assert (usage.prompt_tokens, usage.cached_prompt_tokens) == (len(prompt), cached)
     assert received() == before
     cluster.assert_idle(prefill, decode)
