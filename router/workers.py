@@ -240,38 +240,38 @@ class WorkerPool:
         assignment = self.ledgers[side].add(worker_id, amount, count)
         if side == "prefill" and self.fencing:
             self.fenced.add(worker_id)
-        self._rebuild_side(side, worker_id)
+        self._rebuild_views(worker_id)
         if self.on_assign is not None:
             self.on_assign(side, assignment)
         return assignment
 
     def release(self, side: Role, assignment: Assignment) -> None:
         self.ledgers[side].end(assignment)
-        self._rebuild_side(side, assignment.worker_id)
+        self._rebuild_views(assignment.worker_id)
         if self.on_assign is not None:
             self.on_assign(side, assignment)
 
     def set_peer(self, side: Role, peer: str, assignments: list[Assignment]) -> None:
         """Replaces what is known of another router replica's assignments on one side."""
         for worker_id in self.ledgers[side].set_peer(peer, assignments):
-            self._rebuild_side(side, worker_id)
+            self._rebuild_views(worker_id)
 
     def update_peer(self, side: Role, peer: str, assignments: list[Assignment]) -> None:
         """Another router replica's assignments on one side that started or ended."""
         for worker_id in self.ledgers[side].update_peer(peer, assignments):
-            self._rebuild_side(side, worker_id)
+            self._rebuild_views(worker_id)
 
     def unfence(self, worker_ids: set[str]) -> None:
         """The peers have been told of the work on these workers (or cannot be told)."""
         for worker_id in worker_ids & self.fenced:
             self.fenced.discard(worker_id)
-            self._rebuild_side("prefill", worker_id)
+            self._rebuild_views(worker_id)
 
-    def _rebuild_side(self, side: Role, worker_id: str) -> None:
-        """The views a ledger change touches: the worker's on that side, an aggregated
-        worker's, which holds both sides, and a decode worker's given a prompt of its own
-        (AdmissionSettings.prefill_overflow), which then holds both too."""
-        for role in (side, "aggregated", "decode") if side == "prefill" else (side, "aggregated"):
+    def _rebuild_views(self, worker_id: str) -> None:
+        """After a ledger change on either side: the worker's view, whatever its role (an
+        aggregated worker holds both sides, and so does a decode worker given prompts to
+        compute, AdmissionSettings.prefill_overflow)."""
+        for role in ROLES:
             if worker_id in self._infos[role]:
                 self._rebuild(role, worker_id)
 
