@@ -35,8 +35,10 @@ kernels: setup
 run: setup proto kernels
 	$(VENV)/bin/pdserve up
 
+# Two test files at a time (pytest-xdist; a file's tests stay on one worker with its fixtures and
+# clusters): most of the suite waits on real processes (start-ups, deadlines, heartbeats).
 test: setup proto kernels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # lint-imports checks pyproject.toml's [tool.importlinter] contracts (layers, torch-free router,
 # no cycles) over the import graph, which includes the generated stubs: hence proto.

@@ -7,6 +7,12 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test` runs two test files at a time (pytest-xdist), so an engine's two OpenMP threads
+# share the cores with another file's processes. libgomp's default spins at each barrier for the
+# thread that was descheduled: a 2-thread matmul loop took 4-12x longer beside other processes
+# than with passive waits (docs/measurements.md). Read by libgomp when torch loads it, so it is
+# set before any test module imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The suite's expected tokens are the CPU's (fp32 is HF's; the CPU default runs the GGUF's int4
 # codes), so the worker processes it starts run on the CPU on any host. What holds on CUDA is
 # asserted where a test asks for cuda (tests/engine/test_device.py) and by bench/gpu_check.py.
