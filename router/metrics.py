@@ -1,7 +1,12 @@
 """The router's Prometheus metrics: latency per length bucket and per worker, the TTFT
 decomposition, queue wait and depth, rejections by reason, migrations."""
 
+from typing import TypeVar
+
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -78,3 +83,18 @@ REPLICA_SYNC_FAILURES = Counter(
     "Failed attempts to publish this router's assignments or to follow the other routers'",
     ["direction"],
 )
+
+
+# Children by (metric, label values). labels() converts and checks its values and takes the
+# metric's lock on every call, several times per request; a child, once made, stays (a
+# worker's too, as prometheus-client keeps it), so a lookup here is all later calls cost.
+_children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
+
+
+def child(metric: M, *label_values: str) -> M:
+    """metric.labels(*label_values), looked up once."""
+    key = (metric, label_values)
+    found = _children.get(key)
+    if found is None:
+        found = _children[key] = metric.labels(*label_values)
+    return found  # type: ignore[return-value]

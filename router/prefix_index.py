@@ -102,9 +102,9 @@ class _TierIndex:
         if cached is None:
             cached = self.cached[worker_id] = set()
         self.forget(worker_id, bit, cached.difference(stored) if is_snapshot else evicted)
+        cached.update(stored)
         holders = self.holders
         for block_hash in stored:
-            cached.add(block_hash)
             holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def forget(self, worker_id: str, bit: int, block_hashes: Iterable[bytes]) -> None:
@@ -223,15 +223,16 @@ class PrefixIndex:
 
     def record(self, ticket: Ticket, prefill: WorkerInfo, decode: WorkerInfo) -> Choice:
         """A routing choice: its overlaps go to the metric and the admin view."""
+        prefill_tokens = self.overlap_tokens(prefill, ticket)
+        decode_tokens = prefill_tokens if decode is prefill else self.overlap_tokens(decode, ticket)
         choice = Choice(
-            ticket.request_id, prefill.worker_id, self.overlap_tokens(prefill, ticket),
-            decode.worker_id, self.overlap_tokens(decode, ticket),
-        )  # fmt: skip
+            ticket.request_id, prefill.worker_id, prefill_tokens, decode.worker_id, decode_tokens
+        )
         sides = [(prefill, choice.prefill_overlap_tokens)]
         if decode is not prefill:  # an aggregated worker is one choice
             sides.append((decode, choice.decode_overlap_tokens))
         for worker, tokens in sides:
-            metrics.PREFIX_OVERLAP.labels(worker.role).observe(tokens)
+            metrics.child(metrics.PREFIX_OVERLAP, worker.role).observe(tokens)
             self._last_overlap[worker.worker_id] = tokens
         self.recent.append(choice)
         return choice

@@ -20,6 +20,7 @@ from router import metrics
 from router.admission import Admission
 from router.gateway import Gateway
 from router.grpc_api.server import PublicGrpcServer
+from router.heap import freeze_startup_heap
 from router.http_api.app import create_app
 from router.prefix_index import PrefixIndex
 from router.prefix_index import follow as follow_prefixes
@@ -135,6 +136,7 @@ class RouterServer:
 async def serve(settings: RouterSettings) -> None:
     """Runs the router until SIGTERM or SIGINT."""
     server = await RouterServer(settings).start()
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -237,13 +237,22 @@ class WorkerPool:
 
     def assign(self, side: Role, worker_id: str, amount: int, count: int = 1) -> Assignment:
         """side: "prefill" (prompt tokens) or "decode" (KV blocks, count: sequences)."""
-        assignment = self.ledgers[side].add(worker_id, amount, count)
-        if side == "prefill" and self.fencing:
-            self.fenced.add(worker_id)
-        self._rebuild_views(worker_id)
+        return self.assign_request((side, worker_id, amount, count))[side]
+
+    def assign_request(self, *holds: tuple[Role, str, int, int]) -> dict[Role, Assignment]:
+        """A request's holds, (side, worker id, amount, count) each, taken together: a worker
+        holding both sides (an aggregated one) has its views rebuilt once, not per side."""
+        assignments = {
+            side: self.ledgers[side].add(w, amount, count) for side, w, amount, count in holds
+        }
+        if self.fencing and "prefill" in assignments:
+            self.fenced.add(assignments["prefill"].worker_id)
+        for worker_id in dict.fromkeys(a.worker_id for a in assignments.values()):
+            self._rebuild_views(worker_id)
         if self.on_assign is not None:
-            self.on_assign(side, assignment)
-        return assignment
+            for side, assignment in assignments.items():
+                self.on_assign(side, assignment)
+        return assignments
 
     def release(self, side: Role, assignment: Assignment) -> None:
         self.ledgers[side].end(assignment)

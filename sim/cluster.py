@@ -10,6 +10,7 @@ made it (its publish batching plus a push through Redis)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from prefill_service.request_path import Shipment, first_token_params, plan_pref
 from router.admission import Admission, Lease
 from router.errors import InvalidRequestError, OverloadedError, UnavailableError
 from router.gateway import Gateway, excluding
+from router.heap import freeze_startup_heap
 from router.ledger import Assignment, Ledger
 from router.prefix_index import PrefixIndex
 from router.replicas import ReplicaSync
@@ -313,8 +315,14 @@ class Simulation:
             for router in self.routers:
                 self._sync(router, full=True)
         self._background.append(self.loop.create_task(self._follow_registry()))
+        # As the router process does once it serves (router.server.serve). Here the start-up
+        # heap is mostly the simulated engines' (their KV blocks: millions at 1,024 workers),
+        # which no router holds: left to the collector, its full passes over them landed in
+        # the metered router calls.
+        freeze_startup_heap()
 
     async def stop(self) -> None:
+        gc.unfreeze()  # the next simulation in this process can collect this one's heap
         for task in self._background:
             task.cancel()
         results = await asyncio.gather(*self._background, return_exceptions=True)

@@ -93,6 +93,7 @@ class Admission:
         self.ttft_corrections = TTFTCorrections(1.0 if slo_s is None else 0.5 * slo_s)
         # the gauges set after every dispatch, looked up once (labels() is not cheap)
         self._depth_gauges = {b: metrics.QUEUE_DEPTH.labels(b) for b in LENGTH_BUCKETS}
+        self._observed_changes = -1  # the queue's num_changes when its gauges were last set
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises OverloadedError or UnavailableError instead of
@@ -232,25 +233,27 @@ class Admission:
         if self.prefixes is not None:  # the prefill worker computes only what it lacks
             self.prefixes.record(ticket, prefill.info, decode.info)
             num_to_prefill -= sum(self.prefixes.prefill_prefix(prefill.info, scored))
-        holds: dict[Role, Assignment] = {
-            "prefill": self.pool.assign("prefill", prefill.worker_id, num_to_prefill),
-            "decode": self.pool.assign(
-                "decode", decode.worker_id, ticket.num_kv_blocks, ticket.num_seqs
-            ),
-        }
+        holds = self.pool.assign_request(
+            ("prefill", prefill.worker_id, num_to_prefill, 1),
+            ("decode", decode.worker_id, ticket.num_kv_blocks, ticket.num_seqs),
+        )
         now_s = self.clock()
         self.drain.started(prefill.worker_id, now_s)
         wait_s = now_s - ticket.arrival_s
-        metrics.QUEUE_WAIT.labels(ticket.bucket).observe(wait_s)
+        metrics.child(metrics.QUEUE_WAIT, ticket.bucket).observe(wait_s)
         prediction = self._predictions.pop(ticket.request_id)
-        admission_metrics.QUEUE_WAIT_PREDICTED.labels(ticket.bucket).observe(prediction.wait_s)
-        admission_metrics.QUEUE_WAIT_ERROR.labels(ticket.bucket).observe(wait_s - prediction.wait_s)
+        metrics.child(admission_metrics.QUEUE_WAIT_PREDICTED, ticket.bucket).observe(
+            prediction.wait_s
+        )
+        metrics.child(admission_metrics.QUEUE_WAIT_ERROR, ticket.bucket).observe(
+            wait_s - prediction.wait_s
+        )
         if prefill is decode:  # "decode_prefill": a decode worker given a prompt (_overflow)
             whole = "aggregated" if prefill.info.role == "aggregated" else "decode_prefill"
-            metrics.ROUTED.labels(whole, prefill.worker_id).inc()
+            metrics.child(metrics.ROUTED, whole, prefill.worker_id).inc()
         else:
-            metrics.ROUTED.labels("prefill", prefill.worker_id).inc()
-            metrics.ROUTED.labels("decode", decode.worker_id).inc()
+            metrics.child(metrics.ROUTED, "prefill", prefill.worker_id).inc()
+            metrics.child(metrics.ROUTED, "decode", decode.worker_id).inc()
         return Lease(
             ticket, prefill, decode, wait_s, holds, self._release, prediction, self._first_token
         )
@@ -260,12 +263,16 @@ class Admission:
         evaluated at today's speeds (the drain meters have just seen this request end its
         hold), so the factor learns only what they do not already correct."""
         prediction, kind = lease.prediction, lease.prediction.kind
-        admission_metrics.TTFT_PREDICTED.labels(lease.ticket.bucket).observe(prediction.ttft_s)
+        metrics.child(admission_metrics.TTFT_PREDICTED, lease.ticket.bucket).observe(
+            prediction.ttft_s
+        )
         modelled_s = prediction.ttft_tokens / self._pool_speed(lease.ticket)
         self.ttft_corrections.observe(kind, modelled_s, self.clock() - prediction.at_s)
-        admission_metrics.TTFT_CORRECTION.labels(kind).set(self.ttft_corrections.factor(kind))
+        metrics.child(admission_metrics.TTFT_CORRECTION, kind).set(
+            self.ttft_corrections.factor(kind)
+        )
         margin = self.ttft_corrections.tail_margin(kind)
-        admission_metrics.TTFT_TAIL_MARGIN.labels(kind).set(margin)
+        metrics.child(admission_metrics.TTFT_TAIL_MARGIN, kind).set(margin)
 
     def _release(self, role: Role, hold: Assignment) -> None:
         if hold.ended_at is None:
@@ -352,10 +359,15 @@ class Admission:
     def _reject(
         self, ticket: Ticket, reason: RejectReason, message: str, retry_after_s: float
     ) -> OverloadedError:
-        metrics.REJECTIONS.labels(reason, ticket.bucket).inc()
+        metrics.child(metrics.REJECTIONS, reason, ticket.bucket).inc()
         return OverloadedError(reason, message, retry_after_s)
 
     def _observe_depth(self) -> None:
+        """Sets the queue's gauges, unless they already show it: a dispatch that places
+        nothing (most, under load) leaves the queue as it was."""
+        if self.queue.num_changes == self._observed_changes:
+            return
+        self._observed_changes = self.queue.num_changes
         for bucket, gauge in self._depth_gauges.items():
             gauge.set(self.queue.depth(bucket))
         metrics.QUEUED_PROMPT_TOKENS.set(self.queue.num_prompt_tokens)

@@ -23,8 +23,8 @@ class AdmissionQueue:
         self._sequence: dict[str, int] = {}  # push order: the last tie-break
         self._num_pushed = 0
         self.num_prompt_tokens = 0  # of every queued request, together
-        self._num_changes = 0  # pushes, pops and removals
-        # tokens_ahead's last answer: (the ticket, _num_changes then, the tokens)
+        self.num_changes = 0  # pushes, pops and removals
+        # tokens_ahead's last answer: (the ticket, num_changes then, the tokens)
         self._last_ahead: tuple[Ticket, int, int] | None = None
 
     def __len__(self) -> int:
@@ -38,7 +38,7 @@ class AdmissionQueue:
         self._sequence[ticket.request_id] = self._num_pushed
         self._num_pushed += 1
         self.num_prompt_tokens += ticket.num_prompt_tokens
-        self._num_changes += 1
+        self.num_changes += 1
 
     def peek(self) -> Ticket | None:
         heads = [q[0] for q in self._queues.values() if q]
@@ -49,7 +49,7 @@ class AdmissionQueue:
         assert ticket is not None, "pop from an empty admission queue"
         del self._sequence[ticket.request_id]
         self.num_prompt_tokens -= ticket.num_prompt_tokens
-        self._num_changes += 1
+        self.num_changes += 1
         return self._queues[ticket.bucket].popleft()
 
     def remove(self, ticket: Ticket) -> bool:
@@ -59,7 +59,7 @@ class AdmissionQueue:
             return False
         del self._sequence[ticket.request_id]
         self.num_prompt_tokens -= ticket.num_prompt_tokens
-        self._num_changes += 1
+        self.num_changes += 1
         return True
 
     def tokens_ahead(self, ticket: Ticket) -> int:
@@ -68,7 +68,7 @@ class AdmissionQueue:
         arrival with the queue unchanged (for the wait, the TTFT and the TTFT's tokens): the
         last answer stands until the queue changes."""
         last = self._last_ahead
-        if last is not None and last[0] is ticket and last[1] == self._num_changes:
+        if last is not None and last[0] is ticket and last[1] == self.num_changes:
             return last[2]
         order = self._order(ticket)
         tokens = sum(
@@ -77,7 +77,7 @@ class AdmissionQueue:
             for t in q
             if t is not ticket and self._order(t) < order
         )
-        self._last_ahead = (ticket, self._num_changes, tokens)
+        self._last_ahead = (ticket, self.num_changes, tokens)
         return tokens
 
     def virtual_arrival_s(self, ticket: Ticket) -> float:

@@ -17,8 +17,9 @@ above the factor (never below 1, so the margin only ever sheds more).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.1  # weight of the newest sample in both sums
@@ -37,11 +38,18 @@ class TTFTCorrection:
     observed_s: float = 0.0
     predicted_s: float = 0.0
     ratios: deque[float] = field(default_factory=lambda: deque(maxlen=TAIL_WINDOW))
+    # The same ratios in order: the tail margin is read at every first token, and a window
+    # kept sorted costs one insertion and one removal per sample, not a sort per read.
+    _sorted: list[float] = field(default_factory=list)
 
     def observe(self, predicted_s: float, observed_s: float) -> None:
         if predicted_s < self.min_predicted_s:
             return
-        self.ratios.append(observed_s / predicted_s)
+        ratio = observed_s / predicted_s
+        if len(self.ratios) == self.ratios.maxlen:
+            del self._sorted[bisect_left(self._sorted, self.ratios[0])]
+        self.ratios.append(ratio)
+        insort(self._sorted, ratio)
         if self.predicted_s == 0.0:
             self.observed_s, self.predicted_s = observed_s, predicted_s
             return
@@ -60,14 +68,13 @@ class TTFTCorrection:
         """The recent ratios' 99th percentile over the factor; 1.0 until there are enough."""
         if len(self.ratios) < TAIL_MIN_SAMPLES:
             return 1.0
-        tail = percentile(self.ratios, TAIL_QUANTILE)
+        tail = percentile(self._sorted, TAIL_QUANTILE)
         return min(MAX_FACTOR / MIN_FACTOR, max(1.0, tail / self.factor))
 
 
-def percentile(values: Iterable[float], q: int) -> float:
-    """statistics.quantiles(values, n=100, method="inclusive")[q - 1], to the last bit,
-    without the 98 other cut points it computes (it ran on every first token)."""
-    data = sorted(values)
+def percentile(data: Sequence[float], q: int) -> float:
+    """statistics.quantiles(data, n=100, method="inclusive")[q - 1] of sorted data, to the
+    last bit, without the 98 other cut points it computes (it ran on every first token)."""
     j, delta = divmod(q * (len(data) - 1), 100)
     return (data[j] * (100 - delta) + data[min(j + 1, len(data) - 1)] * delta) / 100
 

@@ -38,24 +38,29 @@ class Ranking:
         self._views: dict[str, WorkerView] = {}
 
     def changed(self, old: WorkerView | None, new: WorkerView | None) -> None:
+        left: int | None = None  # the leaf the old key left, its path not updated yet
         if old is not None:
             self._views.pop(old.worker_id)
             placed = self._placed.pop(old.worker_id, None)
             if placed is not None:
-                leaf, key = placed
-                keys = self._leaves[leaf]
+                left, key = placed
+                keys = self._leaves[left]
                 del keys[bisect_left(keys, key)]
-                self._update(leaf)
         if new is not None:
             self._views[new.worker_id] = new
             leaf = new.queued_tokens if self._budget is not None else 0
             if leaf <= self._max_queued and not (new.fenced and self._budget is not None):
                 if leaf >= self._num_leaves:
-                    self._grow(leaf)
+                    self._grow(leaf)  # every leaf's path, the one left included
+                    left = None
                 key = self._key(new)
                 insort(self._leaves.setdefault(leaf, []), key)
                 self._placed[new.worker_id] = (leaf, key)
                 self._update(leaf)
+                if left == leaf:  # one path to update (a change of its KV alone)
+                    left = None
+        if left is not None:
+            self._update(left)
 
     def cheapest(self, ticket: Ticket) -> WorkerView | None:
         """The cheapest worker within the budget (the other filters unchecked)."""

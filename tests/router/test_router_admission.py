@@ -367,4 +367,20 @@ def test_the_tail_margins_percentile_is_statistics_quantiles_to_the_last_bit():
         values = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
         cut_points = statistics.quantiles(values, n=100, method="inclusive")
         for q in (1, 50, 99):
-            assert percentile(values, q) == cut_points[q - 1]
+            assert percentile(sorted(values), q) == cut_points[q - 1]
+
+
+def test_the_tail_margin_reads_the_window_of_the_last_ratios_in_order():
+    import random
+
+    from router.admission.ttft_error import TAIL_QUANTILE, TAIL_WINDOW, TTFTCorrection, percentile
+
+    rng = random.Random(0)
+    correction = TTFTCorrection(min_predicted_s=0.0)
+    for _ in range(3 * TAIL_WINDOW):
+        correction.observe(1.0, round(rng.uniform(0.5, 3.0), 1))  # repeats: equal ratios
+        window = sorted(correction.ratios)
+        assert correction._sorted == window
+        if len(window) >= 10:
+            expected = max(1.0, percentile(window, TAIL_QUANTILE) / correction.factor)
+            assert correction.tail_margin == min(16.0, expected)
