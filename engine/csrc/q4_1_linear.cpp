@@ -19,6 +19,10 @@ namespace {
 constexpr int64_t kGroupBytes = kGroup / 2;
 // Weight rows dotted at once: four independent accumulator chains, each x group loaded once.
 constexpr int64_t kRowsAtOnce = 4;
+// How far ahead of the group being read the codes are prefetched: 16 groups of a task (a group
+// of its rows is one 64-byte line). The hardware prefetcher alone left ~5% of the time at one
+// row of x waiting on memory.
+constexpr int64_t kPrefetchBytes = 1024;
 
 // out[r] = w[r] . x for one task's kRowsAtOnce rows. A group's 16 bytes hold codes 0..15 in
 // their low nibbles and 16..31 in their high ones: widened to int16 once, each byte's low nibble
@@ -39,6 +43,9 @@ inline void dot_rows(const uint8_t* codes, const float* scales, const float* min
     const __m256i x_hi =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup + 16));
     const __m256 dg = _mm256_broadcast_ss(d + g);
+    _mm_prefetch(reinterpret_cast<const char*>(codes) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(scales) + kPrefetchBytes / 4, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mins) + kPrefetchBytes / 4, _MM_HINT_T0);
     min_terms = _mm_fmadd_ps(_mm_loadu_ps(mins), _mm_broadcast_ss(sum + g), min_terms);
     for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroupBytes) {
       const __m256i bytes =
