@@ -29,7 +29,8 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 # Instruction sets to build for, by what torch's own kernels dispatch to on this CPU: named
 # explicitly (not -march=native), so one cache directory never serves another CPU a binary it
-# cannot run. libmvec vectorizes the softmax's exp once errno is off.
+# cannot run. Without errno, sqrt is one instruction; exp stays glibc's scalar expf (libmvec's
+# vector variants are declared only under -ffast-math, and round differently).
 _ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],

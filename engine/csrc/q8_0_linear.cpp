@@ -34,11 +34,13 @@ inline void dot_rows(const int8_t* codes, const float* scales, int64_t groups, c
     const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup));
     const __m256i x_hi =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kGroup + 16));
+    const __m256 dg = _mm256_broadcast_ss(d + g);
     for (int64_t r = 0; r < kRowsAtOnce; ++r, codes += kGroup) {
       const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(codes16(codes), x_lo),
                                            _mm256_madd_epi16(codes16(codes + 16), x_hi));
-      const float scale = scales[g * kRowsAtOnce + r];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * d[g]), acc[r]);
+      // scale * d[g] as a vector product: the same float, without a broadcast from a register.
+      const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(scales + g * kRowsAtOnce + r), dg);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
     }
   }
   for (int64_t r = 0; r < kRowsAtOnce; ++r) out[r] = sum_lanes(acc[r]);
