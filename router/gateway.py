@@ -398,7 +398,9 @@ class Run:
             lease.end_prefill()  # the prefill worker is done with it: free its budget
         if self._last_token_s is None:
             bucket = job.ticket.bucket
-            metrics.TTFT.labels(bucket, lease.prefill.worker_id).observe(now - job.received_s)
+            metrics.child(metrics.TTFT, bucket, lease.prefill.worker_id).observe(
+                now - job.received_s
+            )
             t = message.ttft
             parts = {
                 "tokenize": job.tokenize_s, "router_queue": lease.queue_wait_s,
@@ -406,14 +408,14 @@ class Run:
                 "kv_transfer": t.kv_transfer_s, "first_token_emit": t.first_token_emit_s,
             }  # fmt: skip
             for part, seconds in parts.items():
-                metrics.TTFT_PART.labels(part, bucket).observe(seconds)
+                metrics.child(metrics.TTFT_PART, part, bucket).observe(seconds)
         elif message.index > 0:
             return  # the gaps between one sequence's tokens: sample 0's
         else:
             gap_s = (now - self._last_token_s) / len(message.token_ids)
-            metrics.INTER_TOKEN.labels(lease.decode.worker_id).observe(gap_s)
+            metrics.child(metrics.INTER_TOKEN, lease.decode.worker_id).observe(gap_s)
         self._last_token_s = now
 
     def _observe_finish(self) -> None:
         elapsed_s = time.monotonic() - self.job.received_s
-        metrics.E2E.labels(self.job.ticket.bucket).observe(elapsed_s)
+        metrics.child(metrics.E2E, self.job.ticket.bucket).observe(elapsed_s)
