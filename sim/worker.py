@@ -50,23 +50,81 @@ class SimTokenizer:
 
 
 @dataclass(slots=True)
+class _Running:
+    """A step in progress: its work left, in seconds it would take alone on a core."""
+
+    work_s: float
+    ratio: float  # its shape's step time beside a neighbour over alone (1: not measured)
+    done: asyncio.Future[None]
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
 class CoreShare:
-    """Local cost model: how workers busy at once share the machine. Beyond the cores they
-    take turns; below, each has a core but they share memory bandwidth and caches, which
-    slows a step beside another worker's by what calibration measured (beside: the cost
-    fitted with a neighbour stepping on another core; None: not measured)."""
+    """Local cost model: how single-thread workers' steps share the machine, as the kernel's
+    scheduler shares it. Steps progress together (processor sharing): beyond the cores they take
+    turns, each at cores / running of a core; below, each has a core but they share memory
+    bandwidth and caches, which slows a step beside another worker's by what calibration
+    measured (beside: the cost fitted with a neighbour stepping on another core; None: not
+    measured). Rates change whenever a step starts or ends, so a long step that began among
+    others speeds up once they finish, as it does on the real cores."""
 
     num_cores: int
     beside: CostModel | None = None
     alone: CostModel | None = None  # the cost fitted without a neighbour, beside's baseline
-    num_busy: int = 0
+    _running: list[_Running] = field(default_factory=list)
+    _since: float = 0.0  # when the rates last changed
+
+    @property
+    def num_busy(self) -> int:
+        return len(self._running)
 
     def slowdown(self, shape: StepShape) -> float:
-        """For a step about to start: it and the steps already running share the cores."""
-        turns = max(1.0, (self.num_busy + 1) / self.num_cores)
-        if self.num_busy == 0 or self.beside is None or self.alone is None:
-            return turns
-        return turns * self.beside.step_s(shape) / self.alone.step_s(shape)
+        """A step about to start, if the steps running now ran throughout it: the estimate the
+        engine's clock stamps the step with (its end comes from run())."""
+        return 1.0 / self._rate(self.num_busy + 1, self._ratio(shape))
+
+    def _ratio(self, shape: StepShape) -> float:
+        if self.beside is None or self.alone is None:
+            return 1.0
+        return self.beside.step_s(shape) / self.alone.step_s(shape)
+
+    def _rate(self, num_running: int, ratio: float) -> float:
+        """Alone-seconds of work done per second by one of num_running steps."""
+        if num_running <= 1:
+            return 1.0
+        return min(1.0, self.num_cores / num_running) / ratio
+
+    async def run(self, shape: StepShape, alone_s: float) -> None:
+        """Runs a step of alone_s seconds' work among the others in progress."""
+        loop = asyncio.get_running_loop()
+        step = _Running(alone_s, self._ratio(shape), loop.create_future())
+        self._reshare(loop, add=step)
+        try:
+            await step.done
+        finally:
+            if step in self._running:  # cancelled before it finished
+                self._reshare(loop, remove=step)
+
+    def _reshare(self, loop: asyncio.AbstractEventLoop, add: _Running | None = None,
+                 remove: _Running | None = None) -> None:  # fmt: skip
+        now = loop.time()
+        for step in self._running:  # the work done at the old rates
+            step.work_s -= (now - self._since) * self._rate(len(self._running), step.ratio)
+            if step.timer is not None:
+                step.timer.cancel()
+        self._since = now
+        if add is not None:
+            self._running.append(add)
+        if remove is not None:
+            self._running.remove(remove)
+        for step in self._running:
+            left = max(0.0, step.work_s) / self._rate(len(self._running), step.ratio)
+            step.timer = loop.call_at(now + left, self._finish, loop, step)
+
+    def _finish(self, loop: asyncio.AbstractEventLoop, step: _Running) -> None:
+        self._reshare(loop, remove=step)
+        step.done.set_result(None)
 
 
 class CostModelRunner:
@@ -79,10 +137,12 @@ class CostModelRunner:
         self.clock = clock
         self.speed_factor = speed_factor
         self.cores = cores
+        self.last_shape, self.last_alone_s = StepShape(), 0.0  # the step execute() modelled last
 
     def execute(self, batch: Sequence[ScheduledRequest]) -> dict[str, int]:
         shape = StepShape.of(batch)
         seconds = self.cost.step_s(shape) * self.speed_factor
+        self.last_shape, self.last_alone_s = shape, seconds
         if self.cores is not None:
             seconds *= self.cores.slowdown(shape)
         self.clock.offset_s = seconds
@@ -161,14 +221,13 @@ class SimWorker:
                 continue
             started = self.loop.time()
             self.num_steps += 1
-            if self.cores is not None:
-                self.cores.num_busy += 1
             self._step_end = self.loop.create_future()
             try:
-                await asyncio.sleep(seconds)
+                if self.cores is None:
+                    await asyncio.sleep(seconds)
+                else:
+                    await self.cores.run(self.runner.last_shape, self.runner.last_alone_s)
             finally:
-                if self.cores is not None:
-                    self.cores.num_busy -= 1
                 self._step_end.set_result(None)
                 self._step_end = None
             self.timeline.busy.append((started, self.loop.time()))

@@ -1,0 +1,75 @@
+"""CoreShare: single-thread workers' steps share the cores as processor sharing, their rates
+changing whenever a step starts or ends (virtual time, so every end time is exact)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from sim.clock import run_virtual
+from sim.costs import StepShape
+from sim.worker import CoreShare
+
+SHAPE = StepShape(num_prefill_tokens=64)
+
+
+@dataclass(frozen=True)
+class FixedCost:
+    seconds: float
+
+    def step_s(self, shape: StepShape) -> float:
+        return self.seconds
+
+
+def end_times(cores: CoreShare, steps: list[tuple[float, float]]) -> list[float]:
+    """Each (start, alone seconds) step's end, run on the shared cores."""
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+
+        async def one(start_s: float, alone_s: float) -> float:
+            await asyncio.sleep(start_s)
+            await cores.run(SHAPE, alone_s)
+            return loop.time()
+
+        return list(await asyncio.gather(*(one(s, w) for s, w in steps)))
+
+    return run_virtual(main())
+
+
+def test_steps_beyond_the_cores_take_turns_and_speed_up_when_one_ends():
+    # Three steps on two cores run at 2/3 each; once the short one ends (0.5 s of work at 2/3:
+    # 0.75 s), the two left have a core each and finish their last 0.5 s at full speed.
+    ends = end_times(CoreShare(2), [(0.0, 1.0), (0.0, 1.0), (0.0, 0.5)])
+    assert ends == pytest.approx([1.25, 1.25, 0.75])
+    assert CoreShare(2).num_busy == 0
+
+
+def test_a_step_alone_runs_at_full_speed():
+    assert end_times(CoreShare(2), [(0.0, 0.3), (1.0, 0.2)]) == pytest.approx([0.3, 1.2])
+
+
+def test_a_neighbour_on_another_core_slows_a_step_by_the_calibrated_ratio_while_it_runs():
+    # Beside a neighbour a step takes 1.25x as long (rate 0.8); the 0.4 s step ends at 0.5 s,
+    # when the other has done 0.4 of its 1.0 and runs its last 0.6 alone.
+    cores = CoreShare(2, beside=FixedCost(1.25), alone=FixedCost(1.0))
+    assert end_times(cores, [(0.0, 1.0), (0.0, 0.4)]) == pytest.approx([1.1, 0.5])
+    assert cores.slowdown(SHAPE) == pytest.approx(1.0)  # nothing running: the estimate is alone
+
+
+def test_the_estimate_for_a_step_about_to_start_counts_the_steps_running_now():
+    cores = CoreShare(2, beside=FixedCost(1.25), alone=FixedCost(1.0))
+
+    async def main() -> tuple[float, float]:
+        first = asyncio.ensure_future(cores.run(SHAPE, 1.0))
+        second = asyncio.ensure_future(cores.run(SHAPE, 1.0))
+        await asyncio.sleep(0.1)
+        two = cores.slowdown(SHAPE)  # a third beside two: 2/3 of a core, and the neighbour
+        await asyncio.gather(first, second)
+        return two, cores.slowdown(SHAPE)
+
+    two, none = run_virtual(main())
+    assert two == pytest.approx(1.5 * 1.25)
+    assert none == pytest.approx(1.0)
