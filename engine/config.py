@@ -116,6 +116,7 @@ class EngineConfig:
     # request is preempted.
     watermark: float = 0.85
     enable_prefix_caching: bool = True
+    # torch's CPU threads on the thread that steps the engine; None: every core it may run on.
     num_threads: int | None = None
     max_model_len: int | None = None
     # auto: FlashInfer, then flash-attn, then torch SDPA, the first that loads and passes its
