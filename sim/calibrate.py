@@ -31,7 +31,7 @@ from sim.costs import (
 )
 
 FEATURES = ("overhead_s", "per_prefill_token_s", "per_attention_pair_s", "per_decode_s",
-            "per_decode_context_s")  # fmt: skip
+            "per_decode_context_s", "per_small_step_s")  # fmt: skip
 PREFILL_LENGTHS = (32, 128, 384, 1000)  # 1000 runs as 512 + 488 after 512 cached
 DECODE_BATCHES = ((1, 32), (4, 32), (16, 32), (32, 32), (8, 480))  # (batch, prompt tokens)
 DECODE_NEW_TOKENS = 8
@@ -40,7 +40,7 @@ ROUNDS = 3  # the first is a warm-up and is not used
 
 def features(shape: StepShape) -> list[float]:
     return [1.0, shape.num_prefill_tokens, shape.num_attention_pairs, shape.num_decode,
-            shape.decode_context]  # fmt: skip
+            shape.decode_context, float(shape.is_small)]  # fmt: skip
 
 
 def _engine(threads: int) -> LLMEngine:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.config import ModelConfig
+from engine.quantization import PLAIN_MAX_ROWS
 from engine.scheduler import ScheduledRequest
 
 LOCAL_COEFFICIENTS = Path(__file__).with_name("local_cpu.json")
@@ -36,6 +37,11 @@ class StepShape:
     num_decode: int = 0
     decode_context: int = 0  # decode: tokens of KV the batch reads
     num_sampled: int = 0  # rows that need logits
+
+    @property
+    def is_small(self) -> bool:
+        """Few enough rows for the fp32 path's small-row matmul (engine/quantization.py)."""
+        return self.num_prefill_tokens + self.num_decode <= PLAIN_MAX_ROWS
 
     @classmethod
     def of(cls, batch: Sequence[ScheduledRequest]) -> StepShape:
@@ -76,7 +82,9 @@ def kv_bytes_per_token(model: ModelConfig, bytes_per_element: float) -> int:
 @dataclass(frozen=True, slots=True)
 class LocalCoefficients:
     """step_s = overhead + a * prefill tokens + b * attention pairs + c * decodes + d * decode
-    context, least squares over timed real steps (sim/calibrate.py writes local_cpu.json)."""
+    context (+ e for a step of at most PLAIN_MAX_ROWS rows, which the fitted fp32 path computes
+    with a matmul of its own: engine/quantization.py), least squares over timed real steps
+    (sim/calibrate.py writes local_cpu.json)."""
 
     overhead_s: float
     per_prefill_token_s: float
@@ -86,6 +94,7 @@ class LocalCoefficients:
     threads: int
     model: dict  # ModelConfig fields of the model timed
     kv_bytes_per_token: int
+    per_small_step_s: float = 0.0
     fit: dict = field(default_factory=dict)  # the points and residuals, for the record
 
     @classmethod
@@ -122,6 +131,7 @@ class LocalCost:
             + c.per_attention_pair_s * shape.num_attention_pairs
             + c.per_decode_s * shape.num_decode
             + c.per_decode_context_s * shape.decode_context
+            + c.per_small_step_s * shape.is_small
         )
 
     @property
