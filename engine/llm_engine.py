@@ -277,12 +277,13 @@ class LLMEngine:
         return outputs
 
     def _use_threads(self) -> None:
-        """num_threads (None: every core this process may run on) for the OS thread that steps. torch's CPU thread count is OpenMP's, which
-        is per OS thread: a worker builds its engine on one thread and steps it on the engine
-        loop's. Setting it where the engine was built would leave the stepping thread at
-        OpenMP's default and give the builder a team of its own; two teams are more threads
-        than cores, and OpenMP then stops spinning at barriers: every parallel region of a step
-        waits on a futex (a 2-thread decode step took 1.35x as long)."""
+        """num_threads (None: every core this process may run on) for the OS thread that steps.
+        torch's CPU thread count is OpenMP's, which is per OS thread: a worker builds its engine
+        on one thread and steps it on the engine loop's. Set where the engine was built, it
+        would leave the stepping thread at OpenMP's default and give the builder a team of its
+        own; two teams are more threads than cores, and OpenMP then stops spinning at barriers:
+        every parallel region of a step waits on a futex (a 2-thread decode step took 1.4x as
+        long; docs/engine.md, Threads)."""
         if self._threads_set_on != threading.get_ident():
             torch.set_num_threads(self.config.num_threads or len(os.sched_getaffinity(0)))
             self._threads_set_on = threading.get_ident()
