@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +56,6 @@ class LLMEngine:
         same execute() and a virtual clock, so everything else here runs as in a worker."""
         self.config = config
         self.clock = clock  # stamps request times and times steps
-        self._threads_set_on: int | None = None  # the OS thread num_threads was applied on
         if runner is None:
             self.model_dir = resolve_model(config.model)
             model_config = ModelConfig.from_dir(self.model_dir)
@@ -255,7 +252,6 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        self._use_threads()
         start = self.clock()
         for item in batch:
             if item.request.first_scheduled_time_s is None:
@@ -275,18 +271,6 @@ class LLMEngine:
             else:
                 outputs.append(_progress(request))
         return outputs
-
-    def _use_threads(self) -> None:
-        """num_threads (None: every core this process may run on) for the OS thread that steps.
-        torch's CPU thread count is OpenMP's, which is per OS thread: a worker builds its engine
-        on one thread and steps it on the engine loop's. Set where the engine was built, it
-        would leave the stepping thread at OpenMP's default and give the builder a team of its
-        own; two teams are more threads than cores, and OpenMP then stops spinning at barriers:
-        every parallel region of a step waits on a futex (a 2-thread decode step took 1.4x as
-        long; docs/engine.md, Threads)."""
-        if self._threads_set_on != threading.get_ident():
-            torch.set_num_threads(self.config.num_threads or len(os.sched_getaffinity(0)))
-            self._threads_set_on = threading.get_ident()
 
     def _append_token(self, request: Request, token_id: int) -> StepOutput:
         if request.first_token_time_s is None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +77,7 @@ class ModelRunner:
         """weights (HF names, in dtype on the device) replace loading model_dir's files: the
         GPU benchmark builds random ones of a Llama shape without writing them to disk."""
         self.config = config
+        self._threads_set_on: int | None = None  # the OS thread num_threads was applied on
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         if weights is None:
@@ -153,9 +156,22 @@ class ModelRunner:
         token_ids = sample(logits, sampled)
         return {r.request_id: t for r, t in zip(sampled, token_ids, strict=True)}
 
+    def _use_threads(self) -> None:
+        """num_threads (None: every core this process may run on) for the OS thread that runs
+        the model. torch's CPU thread count is OpenMP's, which is per OS thread: a worker builds
+        its engine on one thread and steps it on the engine loop's. Set where the engine was
+        built, it would leave the stepping thread at OpenMP's default and give the builder a
+        team of its own; two teams are more threads than cores, and OpenMP then stops spinning
+        at barriers: every parallel region of a step waits on a futex (a 2-thread decode step
+        took 1.4x as long; docs/engine.md, Threads)."""
+        if self._threads_set_on != threading.get_ident():
+            torch.set_num_threads(self.config.num_threads or len(os.sched_getaffinity(0)))
+            self._threads_set_on = threading.get_ident()
+
     def forward(self, batch: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor]:
         """Writes the batch's new KV into the cache; returns the requests that need a next token
         and their last-position logits [n, vocab] (float32)."""
+        self._use_threads()
         step = self._prepare(batch)
         # A graph step samples every row, in batch order; a 1-token chunk of a prompt (the
         # budget's last token) also looks like a decode but needs no logits: run it eagerly.

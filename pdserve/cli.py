@@ -23,7 +23,7 @@ from router.settings import AdmissionSettings, RouterSettings, RoutingSettings
 
 # Before any command loads torch (a worker's --device check does, as it parses): OpenMP's
 # default team, that of every thread but an engine's stepping thread (whose size --threads sets,
-# engine/llm_engine.py), is one thread. Otherwise a worker's main thread, which builds the
+# engine/model_runner.py), is one thread. Otherwise a worker's main thread, which builds the
 # engine, and its RPC and KV-transfer threads that touch tensors would each start a team as
 # large as the machine, and with more OpenMP threads than cores every team's barriers sleep
 # instead of spinning: a 2-thread decode step took 1.4x as long. A user's own value is kept.

@@ -94,7 +94,7 @@ class LocalCoefficients:
     threads: int
     model: dict  # ModelConfig fields of the model timed
     kv_bytes_per_token: int
-    per_small_step_s: float = 0.0
+    per_small_step_s: float = 0.0  # 0 in coefficient files fitted before the term
     fit: dict = field(default_factory=dict)  # the points and residuals, for the record
 
     @classmethod
