@@ -30,6 +30,9 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
+        # The last step could not admit a waiting request (the watermark, the free blocks):
+        # nothing goes ahead of it until one is admitted again, so no prompt waits forever.
+        self._admission_blocked = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,38 +59,75 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.config.chunk_size
         batch: list[ScheduledRequest] = []
+        # Waiting prompts whose whole prefill fits in half the step go ahead of partial
+        # prefills and of longer waiting prompts: a short prompt that lands behind a long one
+        # gets its first token after one step, not after the long one's whole prefill. The
+        # long ones keep at least half of every step, so they never take more than twice as
+        # long; decodes are never held back.
+        jumping = [] if self._admission_blocked else self._finishing_now(budget // 2)
+        self._admission_blocked = False
+        reserved = sum(r.num_tokens for r in jumping)
         # Running requests first: decodes (1 token) and the next chunk of partial prefills.
         for request in list(self.running):
             if budget == 0:
                 break
             if request not in self.running:  # preempted by an earlier iteration
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget if remaining == 1 else budget - reserved)
+            if num_new <= 0:  # a partial prefill, this step's rest reserved
+                continue
             if not self._allocate_or_preempt(request, num_new, batch):
                 continue
             batch.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        for request in jumping:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._admit(request, budget, batch):
+                break
+            self.waiting.remove(request)
+            budget -= batch[-1].num_new_tokens
         # Then admit waiting requests while budget, sequence slots and the watermark allow.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if not request.block_ids:
-                request.num_computed_tokens = self.kv.match_prefix(request)
-                if request.first_scheduled_time_s is None:
-                    request.num_cached_tokens = request.num_computed_tokens
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._can_admit(request, num_new):
-                # A waiting request holds no blocks: keeping its prefix hits while it waits
-                # would let several waiting heads pin every block, and nothing run again.
-                self.kv.free(request)
-                request.num_computed_tokens = 0
+            if not self._admit(self.waiting[0], budget, batch):
                 break
-            self.kv.allocate_slots(request, num_new)
             self.waiting.popleft()
-            request.status = "running"
-            self.running.append(request)
-            batch.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            budget -= batch[-1].num_new_tokens
         return batch
+
+    def _finishing_now(self, budget: int) -> list[Request]:
+        """Waiting requests, in order, whose whole prompts fit the budget together."""
+        chosen: list[Request] = []
+        slots = self.config.max_num_seqs - len(self.running)
+        for request in self.waiting:
+            if len(chosen) == slots or budget == 0:
+                break
+            if request.num_tokens <= budget:
+                chosen.append(request)
+                budget -= request.num_tokens
+        return chosen
+
+    def _admit(self, request: Request, budget: int, batch: list[ScheduledRequest]) -> bool:
+        """Admits a waiting request for up to budget tokens (adding it to the batch), or
+        False when the watermark or the free blocks do not allow it."""
+        if not request.block_ids:
+            request.num_computed_tokens = self.kv.match_prefix(request)
+            if request.first_scheduled_time_s is None:
+                request.num_cached_tokens = request.num_computed_tokens
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._can_admit(request, num_new):
+            # A waiting request holds no blocks: keeping its prefix hits while it waits
+            # would let several waiting heads pin every block, and nothing run again.
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self._admission_blocked = True
+            return False
+        self.kv.allocate_slots(request, num_new)
+        request.status = "running"
+        self.running.append(request)
+        batch.append(ScheduledRequest(request, num_new))
+        return True
 
     def watermark_limit(self) -> int:
         """The blocks in use past which no new work is admitted (while anything runs): the rest
