@@ -35,6 +35,7 @@ import numpy as np
 
 from engine import EngineConfig
 from pdserve.lengths import LengthBuckets
+from pdserve.registry import Role
 from router.settings import AdmissionSettings, RoutingSettings
 from sim.calibrate import calibrate, neighbour, summary
 from sim.cluster import ClusterConfig, Record
@@ -48,6 +49,10 @@ SHORT_BELOW, LONG_ABOVE, PREFILL_TOKEN_BUDGET = 512, 2048, 2048  # the router's,
 WORKLOADS = ("prompt_mix", "chat")
 CHAT = Conversations()
 TARGETS = {"throughput_error": 0.15, "ttft_p50_error": 0.15, "ttft_p99_error": 0.25}
+# Before each measured run, the same cluster serves this many requests of the same workload
+# drawn with another seed: its steps, real against simulated, give each worker's in-situ
+# factor (in_situ_factors).
+CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSET = 40, 1000
 STEP_SUM = "pdserve_engine_step_seconds_sum"
 
 
@@ -134,18 +139,21 @@ def pinned(cores: list[int]):
 def predict(
     shape: Shape, requests: Sequential, num_requests: int, coefficients: LocalCoefficients,
     num_cores: int, beside: LocalCoefficients | None = None,
+    in_situ: dict[str, float] | None = None,
 ) -> tuple[Measured, dict[str, float]]:  # fmt: skip
     """The simulated run's numbers, and each worker's seconds inside (modelled) steps.
     beside: the fit with a neighbour worker stepping (None: workers do not slow each other
-    below the core count)."""
+    below the core count); in_situ: each worker's step-time factor (in_situ_factors)."""
     cost = LocalCost(coefficients, num_cores=num_cores)
     neighbours = None if beside is None else LocalCost(beside, num_cores=num_cores)
     cores = CoreShare(num_cores, beside=neighbours, alone=cost)
-    specs = tuple(
-        [WorkerSpec(f"prefill-{i}", "prefill") for i in range(shape.num_prefill)]
-        + [WorkerSpec(f"decode-{i}", "decode") for i in range(shape.num_decode)]
-        + [WorkerSpec(f"aggregated-{i}", "aggregated") for i in range(shape.num_aggregated)]
-    )
+    factors = in_situ or {}
+    kinds: tuple[tuple[Role, int], ...] = (
+        ("prefill", shape.num_prefill), ("decode", shape.num_decode),
+        ("aggregated", shape.num_aggregated),
+    )  # fmt: skip
+    specs = tuple(WorkerSpec(f"{kind}-{i}", kind, factors.get(f"{kind}-{i}", 1.0))
+                  for kind, count in kinds for i in range(count))  # fmt: skip
     config = ClusterConfig(specs, EngineConfig(), EngineConfig(), admission(),
                            RoutingSettings())  # fmt: skip
     scenario = Scenario(f"validate-{shape.label}", config, LengthMix(),
@@ -165,8 +173,10 @@ def _measured(done: list[Record], wall_s: float) -> Measured:
 
 
 def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[int],
-            log_dir: Path) -> tuple[Measured, dict[str, dict[str, float]]]:  # fmt: skip
-    """The real run's numbers, and where its CPU went (usage())."""
+            log_dir: Path, calibration: Sequential) -> tuple[Measured, dict[str, Any]]:  # fmt: skip
+    """The real run's numbers, where its CPU went (usage()), and each worker's step seconds
+    in the calibration run before it (CALIBRATION_REQUESTS of calibration, on the same
+    cluster: in_situ_factors)."""
     from pdserve.launcher import LocalCluster
 
     cluster = LocalCluster(shape.spec(len(cores), log_dir / shape.label)).start()
@@ -175,6 +185,8 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
         assert cluster.router is not None
         url = cluster.router.http_url
         asyncio.run(_closed_loop(url, source("prompt_mix", 2, seed=-1), 2, 2))  # warm-up
+        start = usage(cluster)
+        asyncio.run(_closed_loop(url, calibration, CALIBRATION_REQUESTS, CONCURRENCY))
         before = usage(cluster)
         outcomes, wall_s = asyncio.run(_closed_loop(url, requests, num_requests, CONCURRENCY))
         after = usage(cluster)
@@ -182,9 +194,13 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
         cluster.stop()
     ok = [(n, ttft, out) for n, ttft, out in outcomes if ttft is not None]
     tokens = sum(n + out for n, _, out in ok)
-    spent = {kind: {name: round(after[kind][name] - before[kind].get(name, 0.0), 2)
-                    for name in after[kind]} for kind in after}  # fmt: skip
+    spent: dict[str, Any] = {kind: _spent(before[kind], after[kind]) for kind in after}
+    spent["calibration_step_s"] = _spent(start["step_s"], before["step_s"])
     return summarize([t for _, t, _ in ok], tokens, wall_s, len(ok)), spent
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before.get(name, 0.0), 2) for name in after}
 
 
 def usage(cluster) -> dict[str, dict[str, float]]:
@@ -279,16 +295,25 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
         for workload in workloads:
             label = f"{shape.label}/{workload}"
             report(f"{label}: {num_requests} requests on a real cluster...")
+            seed_2 = seed + CALIBRATION_SEED_OFFSET
             real, spent = measure(shape, source(workload, num_requests, seed), num_requests,
-                                  cores, log_dir)  # fmt: skip
+                                  cores, log_dir,
+                                  source(workload, CALIBRATION_REQUESTS, seed_2))  # fmt: skip
+            _, calibration_steps = predict(shape, source(workload, CALIBRATION_REQUESTS, seed_2),
+                                           CALIBRATION_REQUESTS, coefficients, len(cores),
+                                           neighbours)  # fmt: skip
+            in_situ = in_situ_factors(spent["calibration_step_s"], calibration_steps)
             sim, sim_steps = predict(shape, source(workload, num_requests, seed), num_requests,
-                                     coefficients, len(cores), neighbours)  # fmt: skip
-            alone, _ = predict(shape, source(workload, num_requests, seed), num_requests,
-                               coefficients, len(cores))  # fmt: skip
+                                     coefficients, len(cores), neighbours, in_situ)  # fmt: skip
+            fitted, fitted_steps = predict(shape, source(workload, num_requests, seed),
+                                           num_requests, coefficients, len(cores),
+                                           neighbours)  # fmt: skip
             runs[label] = {"real": _round(real), "sim": _round(sim), **_errors(sim, real),
                            "real_cpu_s": spent["cpu_s"], "real_step_s": spent["step_s"],
-                           "sim_step_s": sim_steps, "sim_without_neighbours": _round(alone),
-                           "errors_without_neighbours": _errors(alone, real)}  # fmt: skip
+                           "sim_step_s": sim_steps, "in_situ_factors": in_situ,
+                           "sim_without_in_situ": _round(fitted),
+                           "sim_step_s_without_in_situ": fitted_steps,
+                           "errors_without_in_situ": _errors(fitted, real)}  # fmt: skip
     worst = {k: max(r[k] for r in runs.values()) for k in TARGETS}
     return {
         "runs": runs,
@@ -300,6 +325,27 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
         "targets": TARGETS,
         **worst,
     }
+
+
+def in_situ_factors(
+    real_step_s: dict[str, float], sim_step_s: dict[str, float]
+) -> dict[str, float]:
+    """Each worker's step-time factor: its role's real step seconds over the simulator's on the
+    calibration run (the workers of a role are alike; one worker's share of 40 requests is
+    not). It is what a step costs inside the running cluster beyond the isolated fit: the
+    router, the client and Redis waking on the workers' cores, the workers' own RPC and KV
+    threads, and the fit's error on the run's shapes."""
+    real: dict[str, float] = {}
+    simulated: dict[str, float] = {}
+    for name, seconds in sim_step_s.items():
+        real[_role(name)] = real.get(_role(name), 0.0) + real_step_s.get(name, 0.0)
+        simulated[_role(name)] = simulated.get(_role(name), 0.0) + seconds
+    return {name: round(real[_role(name)] / simulated[_role(name)], 3)
+            for name in sim_step_s if simulated[_role(name)] > 0}  # fmt: skip
+
+
+def _role(worker_id: str) -> str:
+    return worker_id.rsplit("-", 1)[0]  # "prefill-1" -> "prefill"
 
 
 def _errors(sim: Measured, real: Measured) -> dict[str, float]:
@@ -329,8 +375,8 @@ def table(out: dict[str, Any]) -> str:
                          f"{m['ttft_p50_s']:>9.2f}s{m['ttft_p99_s']:>9.2f}s")  # fmt: skip
         lines.append(f"{'':<22}{'error':>6}{r['throughput_error']:>9.0%}"
                      f"{r['ttft_p50_error']:>10.0%}{r['ttft_p99_error']:>10.0%}")  # fmt: skip
-        e = r["errors_without_neighbours"]
-        lines.append(f"{'  (no neighbour term)':<22}{'error':>6}{e['throughput_error']:>9.0%}"
+        e = r["errors_without_in_situ"]
+        lines.append(f"{'  (fit alone)':<22}{'error':>6}{e['throughput_error']:>9.0%}"
                      f"{e['ttft_p50_error']:>10.0%}{e['ttft_p99_error']:>10.0%}")  # fmt: skip
     lines.append(f"{'worst':<22}{'':>6}{out['throughput_error']:>9.0%}"
                  f"{out['ttft_p50_error']:>10.0%}{out['ttft_p99_error']:>10.0%}")  # fmt: skip
