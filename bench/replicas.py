@@ -43,8 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--burst", type=int, default=48)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--rate", type=float, default=2.0, help="req/s during the restart")
-    parser.add_argument("--duration-s", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=5.0, help="req/s during the restart")
+    parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 

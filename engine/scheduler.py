@@ -61,9 +61,9 @@ class Scheduler:
         batch: list[ScheduledRequest] = []
         # Waiting prompts whose whole prefill fits in half the step go ahead of partial
         # prefills and of longer waiting prompts: a short prompt that lands behind a long one
-        # gets its first token after one step, not after the long one's whole prefill. The
-        # long ones keep at least half of every step, so they never take more than twice as
-        # long; decodes are never held back.
+        # gets its first token after one step, not after the long one's whole prefill. They
+        # take at most half of a step, so the long ones keep the rest of what the decodes
+        # leave; decodes are never held back.
         jumping = [] if self._admission_blocked else self._finishing_now(budget // 2)
         self._admission_blocked = False
         reserved = sum(r.num_tokens for r in jumping)
