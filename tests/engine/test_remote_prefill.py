@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from engine import EngineBusyError, EngineConfig, LLMEngine, SamplingParams
+from tests.engine.idle import reset_to_idle
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks of 16
@@ -21,11 +22,7 @@ def engine():
 @pytest.fixture(autouse=True)
 def idle(engine):
     yield
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
-    engine.pool.reset_cache()
-    engine.kv.check_integrity()
-    assert engine.pool.num_free_blocks == 12
+    reset_to_idle(engine)
 
 
 def test_reservations_past_max_num_seqs_are_refused(engine):

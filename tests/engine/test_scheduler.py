@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.idle import reset_to_idle
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 CHUNK = 256
@@ -25,11 +26,7 @@ def engine():
 @pytest.fixture(autouse=True)
 def idle(engine):
     yield
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
-    engine.pool.reset_cache()
-    engine.kv.check_integrity()
-    assert engine.pool.num_free_blocks == 64
+    reset_to_idle(engine)
 
 
 def computed(*requests) -> list[int]:
