@@ -3,6 +3,7 @@ on its own host of a pdserve.netns Network (with a router process there too)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -79,6 +80,17 @@ class RouterProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         return metric(f"{self.http_url}/metrics", name, **labels)
+
+    def sees(self, worker: WorkerProcess) -> bool:
+        """The router's snapshot holds the worker's registry entry as registered (or newer):
+        a worker restarted under a dead one's id is routable, not only registered."""
+        assert worker.info is not None
+        with urllib.request.urlopen(f"{self.http_url}/admin/workers", timeout=10) as response:
+            views = json.load(response)["workers"]
+        registered_at = worker.info.updated_at - 0.01  # heartbeat_age_s is rounded to 1 ms
+        return any(v["worker_id"] == worker.worker_id
+                   and time.time() - v["heartbeat_age_s"] >= registered_at
+                   for v in views)  # fmt: skip
 
 
 def on_host(host: Host | None) -> list[str]:

@@ -74,6 +74,8 @@ def test_a_prefill_worker_restarted_on_its_address_serves_with_its_new_agent(hos
         worker_id=doomed.worker_id,
     )  # fmt: skip
     assert restarted.address == doomed.address
+    wait_until(lambda: hosts.router.sees(restarted), timeout_s=60,
+               message="the router never took in the restarted worker's entry")  # fmt: skip
     (expected,) = greedy_tokens(llm, [CHUNKED_PROMPT], 4)
     assert token_ids(generate(hosts.router, CHUNKED_PROMPT, max_tokens=4)) == expected
     hosts.cluster.assert_idle(restarted, decode)
