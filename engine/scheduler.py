@@ -101,7 +101,7 @@ class Scheduler:
         chosen: list[Request] = []
         slots = self.config.max_num_seqs - len(self.running)
         for request in self.waiting:
-            if len(chosen) == slots or budget == 0:
+            if len(chosen) >= slots or budget == 0:  # past max_num_seqs: none
                 break
             if request.num_tokens <= budget:
                 chosen.append(request)
