@@ -29,7 +29,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -50,8 +50,8 @@ WORKLOADS = ("prompt_mix", "chat")
 CHAT = Conversations()
 TARGETS = {"throughput_error": 0.15, "ttft_p50_error": 0.15, "ttft_p99_error": 0.25}
 # Before each measured run, the same cluster serves this many requests of the same workload
-# drawn with another seed: its steps, real against simulated, give each worker's in-situ
-# factor (in_situ_factors).
+# drawn with another seed: its steps, real against simulated, give each role's in-situ factor
+# (in_situ_factors).
 CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSET = 40, 1000
 STEP_SUM = "pdserve_engine_step_seconds_sum"
 
@@ -139,11 +139,11 @@ def pinned(cores: list[int]):
 def predict(
     shape: Shape, requests: Sequential, num_requests: int, coefficients: LocalCoefficients,
     num_cores: int, beside: LocalCoefficients | None = None,
-    in_situ: dict[str, float] | None = None,
+    in_situ: dict[Role, float] | None = None,
 ) -> tuple[Measured, dict[str, float]]:  # fmt: skip
     """The simulated run's numbers, and each worker's seconds inside (modelled) steps.
     beside: the fit with a neighbour worker stepping (None: workers do not slow each other
-    below the core count); in_situ: each worker's step-time factor (in_situ_factors)."""
+    below the core count); in_situ: each role's step-time factor (in_situ_factors)."""
     cost = LocalCost(coefficients, num_cores=num_cores)
     neighbours = None if beside is None else LocalCost(beside, num_cores=num_cores)
     cores = CoreShare(num_cores, beside=neighbours, alone=cost)
@@ -152,7 +152,7 @@ def predict(
         ("prefill", shape.num_prefill), ("decode", shape.num_decode),
         ("aggregated", shape.num_aggregated),
     )  # fmt: skip
-    specs = tuple(WorkerSpec(f"{kind}-{i}", kind, factors.get(f"{kind}-{i}", 1.0))
+    specs = tuple(WorkerSpec(f"{kind}-{i}", kind, factors.get(kind, 1.0))
                   for kind, count in kinds for i in range(count))  # fmt: skip
     config = ClusterConfig(specs, EngineConfig(), EngineConfig(), admission(),
                            RoutingSettings())  # fmt: skip
@@ -329,23 +329,22 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
 
 def in_situ_factors(
     real_step_s: dict[str, float], sim_step_s: dict[str, float]
-) -> dict[str, float]:
-    """Each worker's step-time factor: its role's real step seconds over the simulator's on the
-    calibration run (the workers of a role are alike; one worker's share of 40 requests is
-    not). It is what a step costs inside the running cluster beyond the isolated fit: the
-    router, the client and Redis waking on the workers' cores, the workers' own RPC and KV
-    threads, and the fit's error on the run's shapes."""
-    real: dict[str, float] = {}
-    simulated: dict[str, float] = {}
-    for name, seconds in sim_step_s.items():
-        real[_role(name)] = real.get(_role(name), 0.0) + real_step_s.get(name, 0.0)
-        simulated[_role(name)] = simulated.get(_role(name), 0.0) + seconds
-    return {name: round(real[_role(name)] / simulated[_role(name)], 3)
-            for name in sim_step_s if simulated[_role(name)] > 0}  # fmt: skip
-
-
-def _role(worker_id: str) -> str:
-    return worker_id.rsplit("-", 1)[0]  # "prefill-1" -> "prefill"
+) -> dict[Role, float]:
+    """Each role's step-time factor: its workers' real step seconds over the simulator's on the
+    calibration run, summed over the role (its workers are alike; one worker's share of 40
+    requests is not). It is what a step costs inside the running cluster beyond the isolated
+    fit: the router, the client and Redis waking on the workers' cores, the workers' own RPC
+    and KV threads, and the fit's error on the run's shapes. Worker ids are "<role>-<i>", in
+    the simulation as the launcher names them."""
+    real: dict[Role, float] = {}
+    simulated: dict[Role, float] = {}
+    for worker_id, seconds in sim_step_s.items():
+        role = cast(Role, worker_id.rsplit("-", 1)[0])
+        real[role] = real.get(role, 0.0) + real_step_s.get(worker_id, 0.0)
+        simulated[role] = simulated.get(role, 0.0) + seconds
+    return {
+        role: round(real[role] / seconds, 3) for role, seconds in simulated.items() if seconds > 0
+    }
 
 
 def _errors(sim: Measured, real: Measured) -> dict[str, float]:

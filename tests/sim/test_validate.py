@@ -1,5 +1,5 @@
-"""`pdserve sim validate`'s in-situ factors: a worker's real step seconds over its simulated
-ones on the calibration run, applied to that worker's steps in the prediction."""
+"""`pdserve sim validate`'s in-situ factors: a role's real step seconds over its simulated ones
+on the calibration run, applied to that role's workers' steps in the prediction."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ ONE_P_ONE_D = next(shape for shape in SHAPES if shape.label == "1P+1D")
 
 def test_a_factor_is_the_role_s_real_over_simulated_step_seconds():
     real = {"prefill-0": 12.0, "prefill-1": 8.0, "decode-0": 9.0, "aggregated-0": 5.0}
-    simulated = {"prefill-0": 10.0, "prefill-1": 6.0, "decode-0": 10.0, "idle-0": 0.0}
-    assert in_situ_factors(real, simulated) == {"prefill-0": 1.25, "prefill-1": 1.25,
-                                                "decode-0": 0.9}  # fmt: skip
+    simulated = {"prefill-0": 10.0, "prefill-1": 6.0, "decode-0": 10.0, "aggregated-0": 0.0}
+    assert in_situ_factors(real, simulated) == {"prefill": 1.25, "decode": 0.9}
 
 
 def test_a_worker_s_factor_scales_its_steps_in_the_prediction():
@@ -27,7 +26,7 @@ def test_a_worker_s_factor_scales_its_steps_in_the_prediction():
         return step_s
 
     plain = steps(None)
-    slower = steps({"prefill-0": 1.5, "decode-0": 1.0})
+    slower = steps({"prefill": 1.5, "decode": 1.0})
     # 12 prompts of one prefill worker, each prefilled alone: every step 1.5x as long.
     assert slower["prefill-0"] == pytest.approx(1.5 * plain["prefill-0"], abs=0.02)
     assert slower["decode-0"] > 0
