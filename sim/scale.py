@@ -72,6 +72,7 @@ def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
             "requests": s["requests"], "completed": s["completed"],
             "rejected_429": s["rejected_429"],
             "router_cpu_us_per_request": s["router_cpu_us_per_request"],
+            "router_gc_us_per_request": s["router_gc_us_per_request"],
             "ttft_p99_s": s["ttft_s"]["p99"], "util_std_pp": s["util_std_pp"],
             "sim_wall_s": s["sim_wall_s"],
             **fairness(result, cost, scenario.cluster.prefill_engine.chunk_size),
@@ -83,6 +84,7 @@ def run(sizes: tuple[int, ...] = SIZES, seed: int = 0) -> dict[str, Any]:
         "router_cpu_growth": round(
             last["router_cpu_us_per_request"] / first["router_cpu_us_per_request"], 2
         ),
+        "router_gc_us_per_request": {k: v["router_gc_us_per_request"] for k, v in rows.items()},
         "jain_index": {k: v["jain_index_slowdown"] for k, v in rows.items()},
         "config": {
             "rate_per_worker": RATE_PER_WORKER,

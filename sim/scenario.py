@@ -37,7 +37,8 @@ class Result:
     workers: dict[str, SimWorker]
     samples: Samples
     end_s: float
-    router_cpu_s: float
+    router_cpu_s: float  # the router's code, collections left out (RouterMeter)
+    router_gc_s: float  # collections that began inside router calls
     wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,6 +97,9 @@ class Result:
             "router_cpu_us_per_request": round(
                 1e6 * self.router_cpu_s / max(1, len(self.records)), 1
             ),
+            "router_gc_us_per_request": round(
+                1e6 * self.router_gc_s / max(1, len(self.records)), 1
+            ),
             "sim_wall_s": round(self.wall_s, 2),
         } | self.extra
 
@@ -129,19 +133,22 @@ def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None
     async def main() -> Result:
         sim = Simulation(scenario.cluster, cost, cores)
         sim.start()
-        requests = source or RequestSource(
-            scenario.mix, scenario.seed, scenario.shared_prefix_tokens
-        )
-        if isinstance(scenario.load, ClosedLoop):
-            await sim.run_closed(scenario.load, requests)
-        else:
-            await sim.run_open(scenario.load, requests, scenario.seed)
-        end_s = asyncio.get_running_loop().time()
-        await asyncio.sleep(DRAIN_S)
-        await sim.stop()
+        try:
+            requests = source or RequestSource(
+                scenario.mix, scenario.seed, scenario.shared_prefix_tokens
+            )
+            if isinstance(scenario.load, ClosedLoop):
+                await sim.run_closed(scenario.load, requests)
+            else:
+                await sim.run_open(scenario.load, requests, scenario.seed)
+            end_s = asyncio.get_running_loop().time()
+            await asyncio.sleep(DRAIN_S)
+        finally:
+            await sim.stop()  # a failed run leaves no collector hook or frozen heap behind
         check_no_leaks(sim)
-        return Result(scenario, sim.records, sim.workers, sim.samples, end_s, sim.meter.cpu_s,
-                      0.0, {"max_over_budget_tokens": sim.max_over_budget})  # fmt: skip
+        meter = sim.meter
+        return Result(scenario, sim.records, sim.workers, sim.samples, end_s, meter.router_s,
+                      meter.gc_s, 0.0, {"max_over_budget_tokens": sim.max_over_budget})  # fmt: skip
 
     result = run_virtual(main())
     result.wall_s = time.perf_counter() - started

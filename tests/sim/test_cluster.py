@@ -3,13 +3,14 @@ changed setting changes them the way that code dictates."""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import pytest
 
 from engine import EngineConfig
 from router.settings import AdmissionSettings
-from sim.cluster import ClusterConfig
+from sim.cluster import ClusterConfig, RouterMeter
 from sim.scenario import Scenario, simulate
 from sim.worker import WorkerSpec
 from sim.workload import ClosedLoop, LengthMix, OpenLoop
@@ -142,3 +143,40 @@ def test_preemption_with_the_prefix_cache_on_does_not_deadlock(cost: LinearCost)
     config = replace(_tiny_pool(20, caching=True), max_sim_s=100.0)
     summary = simulate(Scenario("tiny", config, LONG_OUTPUT, ClosedLoop(4, 8)), cost).summary()
     assert summary["completed"] == 8
+
+
+def test_the_router_meter_counts_collections_inside_router_calls_apart():
+    """A collection inside a router call is CPU the call spent but not the router's code (the
+    simulated engines' objects are in the same heap); one outside any call counts nowhere."""
+    meter = RouterMeter()
+    gc.callbacks.append(meter.on_collection)
+    try:
+        gc.collect()
+        assert (meter.cpu_s, meter.gc_s, meter.num_calls) == (0.0, 0.0, 0)
+        with meter:
+            garbage = [[i] for i in range(200_000)]  # tracked objects for the pass to walk
+            gc.collect()
+        assert meter.num_calls == 1
+        assert 0.0 < meter.gc_s <= meter.cpu_s
+        assert meter.router_s == meter.cpu_s - meter.gc_s
+        gc_s = meter.gc_s
+        gc.collect()
+        assert meter.gc_s == gc_s
+    finally:
+        gc.callbacks.remove(meter.on_collection)
+    del garbage
+
+
+class FailingSource:
+    def next(self, client: int = 0):
+        raise ValueError("no requests here")
+
+
+def test_a_simulation_removes_its_collector_hook_even_when_it_fails(cost: LinearCost):
+    hooks = list(gc.callbacks)
+    simulate(Scenario("idle", pd_cluster(), PROMPT_100, ClosedLoop(1, 1)), cost)
+    assert gc.callbacks == hooks
+    with pytest.raises(ValueError):
+        simulate(Scenario("bad", pd_cluster(), PROMPT_100, ClosedLoop(1, 1)), cost,
+                 source=FailingSource())  # fmt: skip
+    assert gc.callbacks == hooks
