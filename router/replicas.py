@@ -20,6 +20,12 @@ reached Redis: each router has at most one request on a worker that the others h
 told of, so a worker holds at most its prompt-token budget plus one request per router (when
 every router takes in a peer's message before that peer's next publish completes: a loop not
 stalled for milliseconds). Alone, or while Redis is unreachable, a router fences nothing.
+
+Inside that window a peer may also place a short prompt on a worker that was just given a long
+one, unaware of it, and the short prompt would then wait behind the long prefill. So a prompt
+outside the short bucket is sent to its worker only once the peers have been told of it
+(hold()): a short prompt a peer places there meanwhile reaches the worker first. The long
+prompt waits min_gap_s + a publish, a few ms against its own prefill's hundreds.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import redis.asyncio
 
 from router import metrics
 from router.ledger import Assignment
+from router.ticket import Ticket
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -117,6 +124,8 @@ class ReplicaSync:
         self._seq = 0  # this router's next message number
         self._pending: dict[str, dict[int, Assignment]] = {side: {} for side in SIDES}
         self._published = True  # the last publish reached Redis
+        # hold()'s waiters: (the number of the message that tells of their placement, future)
+        self._held: list[tuple[int, asyncio.Future[None]]] = []
         self._changed = asyncio.Event()
         self._client: redis.asyncio.Redis | None = None  # run()'s; the simulator needs none
 
@@ -147,9 +156,32 @@ class ReplicaSync:
         would place one request per worker per try; and they miss a number, so they wait for
         the next full state)."""
         self._published = reached
+        self._release_held()
         self._fence_if_told()
         self.pool.unfence(told if reached else set(self.pool.fenced))
         self.on_peer_change()  # the unfenced workers may take queued work
+
+    async def hold(self, ticket: Ticket) -> None:
+        """Returns once a request placed just now may be sent to its worker: a prompt outside
+        the short bucket waits until a publish that tells the peers of its placement has
+        ended (reached Redis, or failed: then they cannot be told); a short prompt, or any
+        prompt while this router has no peer to tell, goes at once."""
+        if ticket.bucket == "short" or not self.pool.fencing:
+            return
+        held = asyncio.get_running_loop().create_future()
+        self._held.append((self._seq, held))  # the next message() tells of it
+        await held
+
+    def _release_held(self) -> None:
+        """After a publish of every message numbered below self._seq."""
+        still = []
+        for seq, held in self._held:
+            if seq < self._seq:
+                if not held.done():  # a cancelled waiter's future is done already
+                    held.set_result(None)
+            else:
+                still.append((seq, held))
+        self._held = still
 
     def take_in(self, raw: str | bytes) -> None:
         """A peer's message, as published."""

@@ -44,6 +44,7 @@ class RouterServer:
         self.decode = DecodeClient(settings.worker_tls)
         self.replicas = ReplicaSync(self.pool, settings.redis_url, self.admission.dispatch)
         self.pool.on_assign = self.replicas.changed
+        self.admission.before_send = self.replicas.hold
         self.gateway: Gateway | None = None
         self.http_port = 0
         self.grpc_port = 0

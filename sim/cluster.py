@@ -249,6 +249,7 @@ class Simulation:
                 self._sync_soon(router)
 
             pool.on_assign = changed
+            admission.before_send = replicas.hold
         return router
 
     # ---- the control plane -----------------------------------------------------------------

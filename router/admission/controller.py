@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -94,6 +94,9 @@ class Admission:
         # the gauges set after every dispatch, looked up once (labels() is not cheap)
         self._depth_gauges = {b: metrics.QUEUE_DEPTH.labels(b) for b in LENGTH_BUCKETS}
         self._observed_changes = -1  # the queue's num_changes when its gauges were last set
+        # Awaited once a request is placed, before admit() returns its lease: router replicas
+        # hold a long prompt until the peers know of it (ReplicaSync.hold).
+        self.before_send: Callable[[Ticket], Awaitable[None]] | None = None
 
     async def admit(self, ticket: Ticket) -> Lease:
         """Waits for the request's turn; raises OverloadedError or UnavailableError instead of
@@ -112,7 +115,7 @@ class Admission:
             self._check_queue(ticket, wait_s)
         try:
             async with asyncio.timeout(self.settings.queue_timeout_s):
-                return await future
+                lease = await future
         except TimeoutError:
             retry_s = self.predicted_ttft_s(ticket)
             self._abandon(ticket, future)
@@ -124,6 +127,13 @@ class Admission:
         except asyncio.CancelledError:  # the client went away while queued
             self._abandon(ticket, future)
             raise
+        if self.before_send is not None:
+            try:
+                await self.before_send(ticket)
+            except BaseException:  # the client went away while it was held: its holds end
+                lease.end()
+                raise
+        return lease
 
     def dispatch(self) -> None:
         """Hands out leases in queue order while the head request fits; strict head-of-line,

@@ -11,6 +11,7 @@ import pytest
 from router_harness import pool_of, ticket, with_load, worker
 
 from pdserve.redis_server import RedisServer
+from router.admission import Admission
 from router.ledger import Assignment, Share
 from router.replicas import KEY_PREFIX, ReplicaSync, decode, encode
 from router.routing import build_policies
@@ -117,6 +118,64 @@ def test_a_fenced_worker_takes_no_more_until_the_peers_are_told():
     pool.unfence({"a"})
     assert policies.prefill.choose(views, ticket("r3", 100)).worker_id == "a"
     assert [v.fenced for v in pool.views("prefill")] == [False, True]
+
+
+def test_a_long_prompt_is_sent_once_the_peers_are_told_of_its_placement():
+    """hold(): with a peer to tell, a prompt outside the short bucket waits for the publish
+    that tells of it (the next message's, not one already made); a short one never waits."""
+    pool = pool_of(worker("prefill", "p"))
+    sync = ReplicaSync(pool, "redis://unused", lambda: None, router_id="r1")
+    pool.on_assign = sync.changed
+    long, short = ticket("l", 3000, bucket="long"), ticket("s", 100, bucket="short")
+
+    async def scenario() -> None:
+        await asyncio.wait_for(sync.hold(long), 1.0)  # alone: no one to tell
+        sync.take_in(encode("r2", 0, True, {"prefill": [], "decode": []}))
+        assert pool.fencing
+        pool.assign("prefill", "p", 3000)
+        first = asyncio.ensure_future(sync.hold(long))
+        await asyncio.wait_for(sync.hold(short), 1.0)
+        raw, told = sync.message(full=False)  # tells of the first, not of what comes next
+        assert [a.amount for a in decode(raw).sides["prefill"]] == [3000]
+        pool.assign("prefill", "p", 2000)
+        second = asyncio.ensure_future(sync.hold(long))
+        await asyncio.sleep(0)
+        assert (first.done(), second.done()) == (False, False)
+        sync.published(told, reached=True)
+        await asyncio.sleep(0)
+        assert (first.done(), second.done()) == (True, False)
+        _, told = sync.message(full=False)
+        sync.published(told, reached=False)  # the peers cannot be told: nothing waits for it
+        await asyncio.sleep(0)
+        assert second.done()
+        assert not pool.fencing
+        await asyncio.wait_for(sync.hold(long), 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_cancelled_while_held_gives_its_workers_back():
+    policies = build_policies(RoutingSettings("watermark"), AdmissionSettings())
+    pool = pool_of(worker("prefill", "p"), worker("decode", "d"))
+    admission = Admission(AdmissionSettings(), pool, policies)
+    never = asyncio.Event()
+
+    async def held(_ticket) -> None:
+        await never.wait()
+
+    admission.before_send = held
+
+    async def scenario() -> None:
+        admit = asyncio.ensure_future(admission.admit(ticket("l", 3000, bucket="long")))
+        await asyncio.sleep(0)
+        assert pool.ledgers["prefill"].share("p") == Share(3000, 1)
+        admit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admit
+
+    asyncio.run(scenario())
+    assert pool.ledgers["prefill"].share("p") == Share(0, 0)
+    assert pool.ledgers["decode"].share("d") == Share(0, 0)
 
 
 @pytest.fixture(scope="module")
