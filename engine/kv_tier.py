@@ -12,6 +12,7 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,54 +37,82 @@ class TierStats:
     load_s: float = 0.0
 
 
+class SlotStore(Protocol):
+    """Where the tier's blocks live: num_slots slots of block_bytes, each filled from a pool
+    block and copied back into one (by pool block id). The tier itself only keeps which hash
+    is in which slot; a store owns the bytes and their copies (the simulator's moves none and
+    models their time: sim/worker.py)."""
+
+    num_slots: int
+    block_bytes: int
+
+    def write(self, slot: int, block_id: int) -> bool: ...
+
+    def read(self, slot: int, block_id: int) -> bool: ...
+
+
+def num_slots_for(capacity_bytes: int, block_bytes: int) -> int:
+    """The slots capacity_bytes holds; refused when not even one."""
+    num_slots = capacity_bytes // block_bytes
+    if num_slots == 0:
+        raise InvalidRequestError(
+            f"kv_offload_gb is {capacity_bytes / 2**30:.6g} GiB ({capacity_bytes} bytes), "
+            f"less than one KV block ({block_bytes} bytes)"
+        )
+    return num_slots
+
+
 class _MemorySlots:
     """Slots in host memory: a region of their own on the CPU; page-locked when the pool is on
     CUDA, so the copies are DMA. The copies are synchronous (no side stream yet): a store or a
     load waits for its block."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, pinned: bool) -> None:
-        # [num_slots, slot_bytes] uint8: slot i holds one pool block's bytes as they were.
-        self.data = torch.empty(num_slots, slot_bytes, dtype=torch.uint8, pin_memory=pinned)
+    def __init__(self, pool_bytes: torch.Tensor, num_slots: int, pinned: bool) -> None:
+        self.pool_bytes = pool_bytes
+        self.num_slots, self.block_bytes = num_slots, pool_bytes.shape[1]
+        # [num_slots, block_bytes] uint8: slot i holds one pool block's bytes as they were.
+        self.data = torch.empty(num_slots, self.block_bytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def write(self, slot: int, block: torch.Tensor) -> bool:
-        self.data[slot].copy_(block)
+    def write(self, slot: int, block_id: int) -> bool:
+        self.data[slot].copy_(self.pool_bytes[block_id])
         return True
 
-    def read(self, slot: int, block: torch.Tensor) -> bool:
-        block.copy_(self.data[slot])
+    def read(self, slot: int, block_id: int) -> bool:
+        self.pool_bytes[block_id].copy_(self.data[slot])
         return True
 
 
 class _FileSlots:
-    """Slots in a file on local disk, slot i at byte i * slot_bytes. The file is scratch, not a
+    """Slots in a file on local disk, slot i at byte i * block_bytes. The file is scratch, not a
     cache that outlives the process: it is unlinked as soon as it is made, so a killed worker
     leaves nothing behind, and each slot's CRC32 is kept in memory, because the file can change
     under us (another process, a full disk, truncation): a slot whose bytes do not match, or
     that reads short, is refused before it reaches the pool."""
 
-    def __init__(self, directory: str, num_slots: int, slot_bytes: int) -> None:
-        self.slot_bytes = slot_bytes
+    def __init__(self, pool_bytes: torch.Tensor, directory: str, num_slots: int) -> None:
+        self.pool_bytes = pool_bytes
+        self.num_slots, self.block_bytes = num_slots, pool_bytes.shape[1]
         self.fd, path = tempfile.mkstemp(prefix="pdserve-kv-tier-", dir=directory)
         os.unlink(path)
-        os.ftruncate(self.fd, num_slots * slot_bytes)  # sparse: disk is used as slots fill
+        os.ftruncate(self.fd, num_slots * self.block_bytes)  # sparse: disk is used as slots fill
         self.crcs = [0] * num_slots
-        self.staging = torch.empty(slot_bytes, dtype=torch.uint8)  # a load lands here first
+        self.staging = torch.empty(self.block_bytes, dtype=torch.uint8)  # a load lands here first
 
-    def write(self, slot: int, block: torch.Tensor) -> bool:
+    def write(self, slot: int, block_id: int) -> bool:
         """False when the disk took less than the whole block (it is full)."""
-        data = block.cpu().numpy()  # a view on the CPU, a copy from CUDA
+        data = self.pool_bytes[block_id].cpu().numpy()  # a view on the CPU, a copy from CUDA
         self.crcs[slot] = zlib.crc32(data)
         try:
-            return os.pwrite(self.fd, data, slot * self.slot_bytes) == self.slot_bytes
+            return os.pwrite(self.fd, data, slot * self.block_bytes) == self.block_bytes
         except OSError:
             return False
 
-    def read(self, slot: int, block: torch.Tensor) -> bool:
+    def read(self, slot: int, block_id: int) -> bool:
         staging = self.staging.numpy()
-        num_read = os.preadv(self.fd, [staging], slot * self.slot_bytes)
-        if num_read != self.slot_bytes or zlib.crc32(staging) != self.crcs[slot]:
+        num_read = os.preadv(self.fd, [staging], slot * self.block_bytes)
+        if num_read != self.block_bytes or zlib.crc32(staging) != self.crcs[slot]:
             return False
-        block.copy_(self.staging)
+        self.pool_bytes[block_id].copy_(self.staging)
         return True
 
 
@@ -106,25 +135,9 @@ class HostKVTier:
     fixed slots; a hash maps to its slot in LRU order. The tier is inclusive: a block loaded
     back into the pool keeps its slot, so its next eviction from the pool costs no copy."""
 
-    def __init__(self, kv_cache: torch.Tensor, capacity_bytes: int, path: str | None) -> None:
-        num_blocks = kv_cache.shape[0]
-        assert kv_cache.is_contiguous(), "one block must be one byte range"
-        # [num_blocks, block_bytes] uint8: a view of the pool, block i at row i.
-        self.pool_bytes = kv_cache.view(num_blocks, -1).view(torch.uint8)
-        self.block_bytes = self.pool_bytes.shape[1]
-        self.num_slots = capacity_bytes // self.block_bytes
-        if self.num_slots == 0:
-            raise InvalidRequestError(
-                f"kv_offload_gb is {capacity_bytes / 2**30:.6g} GiB ({capacity_bytes} bytes), "
-                f"less than one KV block ({self.block_bytes} bytes)"
-            )
-        _check_room(self.num_slots * self.block_bytes, path)
-        if path is None:
-            self.slots: _MemorySlots | _FileSlots = _MemorySlots(
-                self.num_slots, self.block_bytes, pinned=kv_cache.is_cuda
-            )
-        else:
-            self.slots = _FileSlots(path, self.num_slots, self.block_bytes)
+    def __init__(self, slots: SlotStore, where: str) -> None:
+        self.slots = slots
+        self.num_slots, self.block_bytes = slots.num_slots, slots.block_bytes
         self.hash_to_slot: OrderedDict[bytes, int] = OrderedDict()  # LRU order: oldest first
         self.free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self.stats = TierStats()
@@ -132,7 +145,6 @@ class HostKVTier:
         self.record_events = False
         self._events: list[CacheEvent] = []
         self._publish_occupancy()
-        where = "host memory" + (" (pinned)" if kv_cache.is_cuda else "") if path is None else path
         log.info("host KV tier: %d blocks (%.2f GiB) in %s", self.num_slots,
                  self.capacity_bytes / 2**30, where)  # fmt: skip
 
@@ -154,7 +166,7 @@ class HostKVTier:
             self.hash_to_slot.move_to_end(block_hash)
             return
         slot = self.free_slots.pop() if self.free_slots else self._evict_oldest()
-        if not self.slots.write(slot, self.pool_bytes[block_id]):
+        if not self.slots.write(slot, block_id):
             self.free_slots.append(slot)  # not kept: a later prompt computes it
             self._publish_occupancy()
             return
@@ -173,7 +185,7 @@ class HostKVTier:
         if slot is None:
             return False
         started = time.perf_counter()
-        if not self.slots.read(slot, self.pool_bytes[block_id]):
+        if not self.slots.read(slot, block_id):
             self.stats.num_failed_loads += 1
             TIER_FAILED_LOADS.inc()
             self._drop(block_hash)
@@ -230,3 +242,17 @@ class HostKVTier:
             problems.append("a slot id is out of range")
         if problems:
             raise AssertionError("host KV tier corrupt: " + "; ".join(problems))
+
+
+def host_tier(kv_cache: torch.Tensor, capacity_bytes: int, path: str | None) -> HostKVTier:
+    """The engine's tier over its KV pool: slots in host memory, or in a file under path."""
+    num_blocks = kv_cache.shape[0]
+    assert kv_cache.is_contiguous(), "one block must be one byte range"
+    # [num_blocks, block_bytes] uint8: a view of the pool, block i at row i.
+    pool_bytes = kv_cache.view(num_blocks, -1).view(torch.uint8)
+    num_slots = num_slots_for(capacity_bytes, pool_bytes.shape[1])
+    _check_room(num_slots * pool_bytes.shape[1], path)
+    if path is None:
+        where = "host memory" + (" (pinned)" if kv_cache.is_cuda else "")
+        return HostKVTier(_MemorySlots(pool_bytes, num_slots, pinned=kv_cache.is_cuda), where)
+    return HostKVTier(_FileSlots(pool_bytes, path, num_slots), path)

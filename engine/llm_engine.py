@@ -18,7 +18,6 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_tier import HostKVTier
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import SAMPLE_MARK, FinishReason, Request, StepOutput, TokenLogprobs, sample_ids
@@ -65,7 +64,7 @@ class LLMEngine:
         self.model_config, self.tokenizer, self.runner = model_config, tokenizer, runner
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.tier = (
-            HostKVTier(runner.kv_cache, config.kv_offload_bytes, config.kv_offload_path)
+            runner.host_tier(config.kv_offload_bytes, config.kv_offload_path)
             if config.kv_offload_gb > 0
             else None
         )

@@ -20,6 +20,7 @@ from engine.attention_choice import select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.kv_quant import row_width
+from engine.kv_tier import HostKVTier, host_tier
 from engine.loader import load_weights
 from engine.model import LlamaModel
 from engine.request import Request
@@ -142,6 +143,10 @@ class ModelRunner:
             "graphs %s", self.device, weight_dtype, self.config.num_blocks, kv_gib, kv_dtype,
             self.attention.name, graphs,
         )  # fmt: skip
+
+    def host_tier(self, capacity_bytes: int, path: str | None) -> HostKVTier:
+        """The host KV tier under this runner's pool (kv_offload_gb, kv_offload_path)."""
+        return host_tier(self.kv_cache, capacity_bytes, path)
 
     def set_cuda_graphs(self, enabled: bool) -> None:
         """Benchmarks compare decode with and without the captured graphs."""

@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.kv_tier import HostKVTier
+from engine.kv_tier import HostKVTier, host_tier
 from engine.prefix_hash import prompt_block_hashes
 
 BLOCK_SIZE = 16
@@ -90,7 +90,7 @@ def test_random_evictions_and_loads_keep_both_tiers_whole_and_every_byte(tiered)
     both ways and the tier drops some. Every hit holds exactly its bytes, both integrity
     checks pass after every request, and at the end so does every cached byte of each tier."""
     engine = tiered.engine
-    kv, tier, pool_bytes = engine.kv, engine.tier, engine.tier.pool_bytes
+    kv, tier, pool_bytes = engine.kv, engine.tier, engine.tier.slots.pool_bytes
     kv.reset_cache()
     before = (tier.stats.num_loaded_blocks, tier.stats.num_evicted_blocks)
     rng = random.Random(0)
@@ -128,7 +128,7 @@ def test_a_full_tier_drops_its_least_recently_used_block():
     """In host memory, over a pool of int8 rows (stored as they are): a load counts as a use."""
     cache = torch.randint(-127, 128, (4, 2, 2, 4, 1, 6), dtype=torch.int8)  # 4 blocks, 96 B each
     original = cache.clone()
-    tier = HostKVTier(cache, capacity_bytes=2 * 96 + 95, path=None)  # two slots, not three
+    tier = host_tier(cache, capacity_bytes=2 * 96 + 95, path=None)  # two slots, not three
     assert tier.num_slots == 2
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
     tier.store(0, a)
@@ -228,7 +228,7 @@ def test_offload_settings_are_checked(settings, message):
 def test_a_tier_the_host_cannot_hold_is_refused(capacity_bytes, path, message):
     cache = torch.zeros(2, 1, 2, 16, 3, 64)  # 24,576 B a block
     with pytest.raises(InvalidRequestError, match=message):
-        HostKVTier(cache, capacity_bytes, path)
+        host_tier(cache, capacity_bytes, path)
 
 
 def test_a_block_leaving_the_pool_for_the_tier_is_one_event_in_each(tiered):
