@@ -303,12 +303,14 @@ class Simulation:
 
     async def _publish_cache_events(self, worker: SimWorker) -> None:
         """CacheEventPublisher and the routers' stream readers: the worker's prefix-cache
-        changes reach every router's prefix index as the same numbered entries, one per
-        BATCH_S at most (Redis between them takes no time here)."""
-        stream, pool = CacheStream(), worker.engine.pool
+        changes (its pool's and its host tier's) reach every router's prefix index as the same
+        numbered entries, one per BATCH_S at most (Redis between them takes no time here)."""
+        stream, pool, tier = CacheStream(), worker.engine.pool, worker.engine.tier
         pool.record_events = True
+        if tier is not None:
+            tier.record_events = True
         while True:
-            stream.mirror.apply(pool.take_cache_events())
+            stream.mirror.apply(pool.take_cache_events(), tier.take_events() if tier else ())
             update = stream.next_entry(snapshot=stream.seq == 0 or stream.snapshot_due)
             if update is not None:
                 stream.written(update)

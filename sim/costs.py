@@ -63,6 +63,7 @@ class StepShape:
 class CostModel(Protocol):
     model: ModelConfig
     hop_s: float  # one message between two processes (client, router, workers)
+    host_copy_bytes_per_s: float  # the host KV tier's copies, either way (engine/kv_tier.py)
 
     @property
     def kv_bytes_per_token(self) -> int: ...
@@ -117,6 +118,9 @@ class LocalCost:
     # connection per send.
     kv_bytes_per_s: float = 2.1e9
     kv_latency_s: float = 0.001
+    # The host KV tier in host memory: bench/kv_tier.py's loads ran at 10.8-11.5 GB/s on the
+    # AVX-512 host (2.8 GB/s on the AMD one); one memory-to-memory copy per block.
+    host_copy_bytes_per_s: float = 10e9
     num_cores: int = 2
     model: ModelConfig = field(init=False)
 
@@ -195,6 +199,8 @@ class RooflineCost:
     kv_link_bytes_per_s: float = 50e9  # 400 Gb/s RDMA between nodes; NVLink within one
     kv_latency_s: float = 20e-6
     hop_s: float = 100e-6  # one RPC inside a data centre
+    # The host KV tier in page-locked host memory: DMA over the GPU's PCIe Gen5 x16 link.
+    host_copy_bytes_per_s: float = 50e9
 
     @property
     def layer_params(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine import EngineConfig, LLMEngine
+from engine.kv_tier import HostKVTier, num_slots_for
 from engine.request import StepOutput
 from engine.scheduler import ScheduledRequest
 from pdserve.registry import Role, WorkerInfo
@@ -127,21 +128,54 @@ class CoreShare:
         step.done.set_result(None)
 
 
+class ModelledSlots:
+    """The host KV tier's slots in the simulator (engine/kv_tier.py's SlotStore): the tier's
+    own code decides what is stored, loaded and dropped; the slots hold no bytes and count the
+    ones each copy would move, for the next step to take their time."""
+
+    def __init__(self, num_slots: int, block_bytes: int) -> None:
+        self.num_slots, self.block_bytes = num_slots, block_bytes
+        self.num_pending_bytes = 0  # copied since the last step
+
+    def write(self, slot: int, block_id: int) -> bool:
+        self.num_pending_bytes += self.block_bytes
+        return True
+
+    def read(self, slot: int, block_id: int) -> bool:
+        self.num_pending_bytes += self.block_bytes
+        return True
+
+
 class CostModelRunner:
     """ModelRunner's execute() contract: the next token of every request whose pass completes.
-    The step's modelled duration goes to the step clock; the worker sleeps it afterwards."""
+    The step's modelled duration goes to the step clock; the worker sleeps it afterwards. The
+    host tier's copies are synchronous on the engine thread, as in the engine: those made while
+    the step was scheduled (its prompts' loads, the evictions that made room), or between
+    steps, lengthen the step."""
 
     def __init__(self, cost: CostModel, clock: StepClock, speed_factor: float,
-                 cores: CoreShare | None) -> None:  # fmt: skip
+                 cores: CoreShare | None, block_size: int) -> None:  # fmt: skip
         self.cost = cost
         self.clock = clock
         self.speed_factor = speed_factor
         self.cores = cores
+        self.block_size = block_size
+        self.tier_slots: ModelledSlots | None = None
         self.last_shape, self.last_alone_s = StepShape(), 0.0  # the step execute() modelled last
+
+    def host_tier(self, capacity_bytes: int, path: str | None) -> HostKVTier:
+        """ModelRunner.host_tier: the same tier, over slots that model the copies. path (a
+        file on disk) is not modelled apart: the copies take host memory's time."""
+        block_bytes = self.cost.kv_bytes_per_token * self.block_size
+        self.tier_slots = ModelledSlots(num_slots_for(capacity_bytes, block_bytes), block_bytes)
+        return HostKVTier(self.tier_slots, "the simulator")
 
     def execute(self, batch: Sequence[ScheduledRequest]) -> dict[str, int]:
         shape = StepShape.of(batch)
         seconds = self.cost.step_s(shape) * self.speed_factor
+        if self.tier_slots is not None and self.tier_slots.num_pending_bytes:
+            seconds += self.tier_slots.num_pending_bytes / self.cost.host_copy_bytes_per_s
+            self.tier_slots.num_pending_bytes = 0
         self.last_shape, self.last_alone_s = shape, seconds
         if self.cores is not None:
             seconds *= self.cores.slowdown(shape)
@@ -169,7 +203,8 @@ class SimWorker:
         self.loop = loop
         self.clock = StepClock(loop)
         self.cores = cores
-        self.runner = CostModelRunner(cost, self.clock, spec.speed_factor, cores)
+        self.runner = CostModelRunner(cost, self.clock, spec.speed_factor, cores,
+                                      config.block_size)  # fmt: skip
         self.engine = LLMEngine(
             config, model_config=cost.model, tokenizer=SimTokenizer(),  # type: ignore[arg-type]
             runner=self.runner, clock=self.clock,  # type: ignore[arg-type]

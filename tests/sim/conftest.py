@@ -22,13 +22,15 @@ TINY_MODEL = ModelConfig(
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
-    """step = 10 ms + 1 ms per prefill token + 2 ms per decode; KV send 5 ms; hop 1 ms."""
+    """step = 10 ms + 1 ms per prefill token + 2 ms per decode; KV send 5 ms; hop 1 ms; a
+    block of 16 tokens (65,536 bytes) copied to or from the host tier 1 ms."""
 
     overhead_s: float = 0.010
     per_prefill_token_s: float = 0.001
     per_decode_s: float = 0.002
     transfer_s: float = 0.005
     hop_s: float = 0.001
+    host_copy_bytes_per_s: float = 65_536_000.0
     kv_bytes_per_token: int = 4096
     model: ModelConfig = field(default=TINY_MODEL)
 
