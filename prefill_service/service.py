@@ -74,6 +74,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             return engine_request, loop.open_stream(rid)
 
         bucket = self.runtime.settings.length_buckets.of(len(prompt))
+        final = None
         try:
             job.fetched = self.fetcher.fetch(rid, prompt, dest, deadline_s)
             if not context.is_active():  # cancelled during the fetch, before the abort below
@@ -81,7 +82,6 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             engine_request, stream = loop.call(admit)
             # The decode worker gave up on us, or the deadline passed: the stream ends "abort".
             context.add_callback(lambda: loop.abort(rid))
-            final = None
             for output in stream:
                 final = output
             first_token_done = time.monotonic()
@@ -96,7 +96,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             metrics.REQUESTS.labels("kv_failed").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
         finally:
-            self._settle(job, deadline_s)
+            finished = final is not None and final.finished and final.finish_reason != "abort"
+            self._settle(job, deadline_s, finished)
         if final is None or final.finish_reason == "abort":
             metrics.REQUESTS.labels("aborted").inc()
             raise CallerGoneError("prefill was cancelled")
@@ -165,13 +166,26 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             job.error = e
             self.runtime.loop.abort(job.request_id)
 
-    def _settle(self, job: PrefillJob, deadline_s: float) -> None:
+    def _settle(self, job: PrefillJob, deadline_s: float, finished: bool) -> None:
         """Stops the job's shipping, then drops its send references once every send has
         resolved, or at the deadline: by then the receiver has given up on these bytes and
-        fenced its blocks, so our source blocks may be reused. Then the blocks a fetch held."""
+        fenced its blocks, so our source blocks may be reused. Then the blocks a fetch held.
+
+        A request that finished had its last blocks shipped on the engine thread before its
+        final output came out, and no later step ships for it: its job is dropped without
+        waiting. Otherwise (aborted, failed) the engine may still be stepping it, so this waits
+        for the step in progress to end; a finished request waiting there would hold its
+        first token back from the decode worker for a whole step of other requests' work."""
         loop = self.runtime.loop
+
+        def forget() -> None:
+            self.jobs.pop(job.request_id, None)
+
         with contextlib.suppress(EngineStoppedError):  # the process is going away
-            loop.call(lambda: self.jobs.pop(job.request_id, None))
+            if finished:
+                loop.post(forget)
+            else:
+                loop.call(forget)
         for handle in job.handles:
             with contextlib.suppress(kvtransfer.KVTransferError):  # its outcome is reported
                 handle.wait(max(0.0, deadline_s - time.monotonic()))
