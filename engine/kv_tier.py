@@ -250,8 +250,9 @@ def host_tier(kv_cache: torch.Tensor, capacity_bytes: int, path: str | None) -> 
     assert kv_cache.is_contiguous(), "one block must be one byte range"
     # [num_blocks, block_bytes] uint8: a view of the pool, block i at row i.
     pool_bytes = kv_cache.view(num_blocks, -1).view(torch.uint8)
-    num_slots = num_slots_for(capacity_bytes, pool_bytes.shape[1])
-    _check_room(num_slots * pool_bytes.shape[1], path)
+    block_bytes = pool_bytes.shape[1]
+    num_slots = num_slots_for(capacity_bytes, block_bytes)
+    _check_room(num_slots * block_bytes, path)
     if path is None:
         where = "host memory" + (" (pinned)" if kv_cache.is_cuda else "")
         return HostKVTier(_MemorySlots(pool_bytes, num_slots, pinned=kv_cache.is_cuda), where)

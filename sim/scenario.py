@@ -12,7 +12,7 @@ import numpy as np
 
 from pdserve.lengths import LENGTH_BUCKETS
 from sim.clock import run_virtual
-from sim.cluster import ClusterConfig, Record, Samples, Simulation
+from sim.cluster import ClusterConfig, Record, Samples, SimRouter, Simulation
 from sim.costs import CostModel
 from sim.worker import CoreShare, SimWorker
 from sim.workload import ClosedLoop, LengthMix, OpenLoop, RequestSource, Sequential
@@ -35,6 +35,7 @@ class Result:
     scenario: Scenario
     records: list[Record]
     workers: dict[str, SimWorker]
+    routers: list[SimRouter]  # their state as the run left it (prefix index, ledgers)
     samples: Samples
     end_s: float
     router_cpu_s: float  # the router's code, collections left out (RouterMeter)
@@ -147,8 +148,9 @@ def simulate(scenario: Scenario, cost: CostModel, cores: CoreShare | None = None
             await sim.stop()  # a failed run leaves no collector hook or frozen heap behind
         check_no_leaks(sim)
         meter = sim.meter
-        return Result(scenario, sim.records, sim.workers, sim.samples, end_s, meter.router_s,
-                      meter.gc_s, 0.0, {"max_over_budget_tokens": sim.max_over_budget})  # fmt: skip
+        return Result(scenario, sim.records, sim.workers, sim.routers, sim.samples, end_s,
+                      meter.router_s, meter.gc_s, 0.0,
+                      {"max_over_budget_tokens": sim.max_over_budget})  # fmt: skip
 
     result = run_virtual(main())
     result.wall_s = time.perf_counter() - started

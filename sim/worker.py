@@ -145,6 +145,11 @@ class ModelledSlots:
         self.num_pending_bytes += self.block_bytes
         return True
 
+    def take_pending_bytes(self) -> int:
+        """The bytes copied since the last call."""
+        num_bytes, self.num_pending_bytes = self.num_pending_bytes, 0
+        return num_bytes
+
 
 class CostModelRunner:
     """ModelRunner's execute() contract: the next token of every request whose pass completes.
@@ -173,9 +178,8 @@ class CostModelRunner:
     def execute(self, batch: Sequence[ScheduledRequest]) -> dict[str, int]:
         shape = StepShape.of(batch)
         seconds = self.cost.step_s(shape) * self.speed_factor
-        if self.tier_slots is not None and self.tier_slots.num_pending_bytes:
-            seconds += self.tier_slots.num_pending_bytes / self.cost.host_copy_bytes_per_s
-            self.tier_slots.num_pending_bytes = 0
+        if self.tier_slots is not None:
+            seconds += self.tier_slots.take_pending_bytes() / self.cost.host_copy_bytes_per_s
         self.last_shape, self.last_alone_s = shape, seconds
         if self.cores is not None:
             seconds *= self.cores.slowdown(shape)
