@@ -4,17 +4,20 @@ does), on one local cluster as `pdserve up` starts it (Redis, 1 prefill + 1 deco
 router; the decode worker's request limit and max_num_seqs raised to --streams + 16, as the
 direct requests bypass the router's count of them).
 
-A loaded pass sends --streams concurrent streaming requests, every other one through the
-router and the rest straight to the decode worker, so both paths share the same batches; each
-is a short prompt of --prompt-words random words (token ids, so that tokenizing is not
-counted; every request its own words, no prefix cache hits) with --max-tokens greedy output
-tokens. Per path: TTFT (send to the first message with a token) and inter-token latency (the
-gap between token-carrying messages, over their tokens) p50/p99, pooled over --rounds passes;
-"added" is the router's figure minus the direct one. One stream (--light-requests requests in
-turn, alternating the paths) separates the router's own cost from queueing under load. The
-last line of stdout is one JSON object with "added_ttft_ms" and "added_itl_ms" ({"p50",
-"p99"}, under load), the one-stream ones, both paths' figures, and the targets (added TTFT p50
-<= 1 ms, p99 <= 5 ms; added ITL p50 <= 0.5 ms).
+A loaded pass sends --streams concurrent streaming requests along one path, each a short
+prompt of --prompt-words random words (token ids, so that tokenizing is not counted; every
+request its own words, no prefix cache hits) with --max-tokens greedy output tokens; each
+round runs one pass per path, in turn first (direct then router, then router then direct), so
+both paths see the same load and drift on a shared machine falls on both. (Mixing the paths in
+one pass measured queue order instead: a routed request reaches the workers' FIFO queues a hop
+after a direct one sent with it, so under a burst every routed request waited behind every
+direct one.) Per path: TTFT (send to the first message with a token) and inter-token latency
+(the gap between token-carrying messages, over their tokens) p50/p99, pooled over --rounds
+rounds; "added" is the router's figure minus the direct one. One stream (--light-requests
+requests in turn, alternating the paths) separates the router's own cost from queueing under
+load. The last line of stdout is one JSON object with "added_ttft_ms" and "added_itl_ms"
+({"p50", "p99"}, under load), the one-stream ones, both paths' figures, and the targets (added
+TTFT p50 <= 1 ms, p99 <= 5 ms; added ITL p50 <= 0.5 ms).
 Run from the repository root: python -m bench.router_overhead.
 """
 
@@ -50,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="passes per path")
+    parser.add_argument("--rounds", type=int, default=2, help="loaded passes per path")
     parser.add_argument("--light-requests", type=int, default=20, help="one stream, per path")
     parser.add_argument("--cores", type=int, default=0, help="0 = all; split among the workers")
     parser.add_argument("--seed", type=int, default=0)
@@ -115,11 +118,12 @@ class Paths:
 
 
 async def run_pass(paths: Paths, prompts: list[list[int]], max_tokens: int,
-                   into: dict[str, Latencies], concurrent: bool) -> None:  # fmt: skip
-    """Request i goes through the router when i is odd, straight to the worker when even."""
+                   into: dict[str, Latencies], route: list[str],
+                   concurrent: bool) -> None:  # fmt: skip
+    """Request i goes along route[i]: all at once, or one after another."""
 
     async def one(i: int, prompt: list[int]) -> None:
-        path = "router" if i % 2 else "direct"
+        path = route[i]
         started_s = time.monotonic()
         await stream(paths.call(path, prompt, max_tokens), into[path], started_s)
 
@@ -148,16 +152,22 @@ async def measure(args: argparse.Namespace, addresses: tuple[str, str, str],
     def prompts(n: int) -> list[list[int]]:
         return [rng.sample(words, args.prompt_words) for _ in range(n)]
 
+    def alternating(n: int) -> list[str]:
+        return [PATHS[i % 2] for i in range(n)]
+
     # A pass untimed: channels connected, the first batch sizes seen.
-    await run_pass(paths, prompts(8), args.max_tokens, {p: Latencies() for p in PATHS}, True)
+    await run_pass(paths, prompts(8), args.max_tokens, {p: Latencies() for p in PATHS},
+                   alternating(8), concurrent=True)  # fmt: skip
     results: dict[str, Any] = {}
-    for load, n, rounds, concurrent in (
-        ("loaded", args.streams, args.rounds, True),
-        ("one_stream", 2 * args.light_requests, 1, False),
-    ):
-        by_path = {path: Latencies() for path in PATHS}
-        for _ in range(rounds):
-            await run_pass(paths, prompts(n), args.max_tokens, by_path, concurrent)
+    loaded = {path: Latencies() for path in PATHS}
+    for round_ in range(args.rounds):
+        for path in PATHS if round_ % 2 == 0 else PATHS[::-1]:
+            await run_pass(paths, prompts(args.streams), args.max_tokens, loaded,
+                           [path] * args.streams, concurrent=True)  # fmt: skip
+    light = {path: Latencies() for path in PATHS}
+    n = 2 * args.light_requests
+    await run_pass(paths, prompts(n), args.max_tokens, light, alternating(n), concurrent=False)
+    for load, by_path in (("loaded", loaded), ("one_stream", light)):
         summaries = {path: lat.summary() for path, lat in by_path.items()}
         results[load] = summaries | {"added": added(summaries["router"], summaries["direct"])}
     return results
@@ -166,9 +176,9 @@ async def measure(args: argparse.Namespace, addresses: tuple[str, str, str],
 def main() -> None:
     args = parse_args()
     words = word_ids(TextTokenizer.load(resolve_model("smollm2-135m")))
-    # The direct half goes around the router's count of what the decode worker takes at once
-    # (its RPC limit and max_num_seqs): both are raised so both halves fit and neither path is
-    # refused for the other's requests.
+    # The direct passes go around the router's count of what the decode worker takes at once
+    # (its RPC limit and max_num_seqs): both are raised so that a direct pass fits, as a routed
+    # one does.
     room = str(args.streams + 16)
     limits = ("--max-concurrent-rpcs", room, "--max-num-seqs", room)
     spec = ClusterSpec(http_port=0, grpc_port=0, num_cores=args.cores, worker_args=limits)
