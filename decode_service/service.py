@@ -119,6 +119,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         self, rid: str, request: wpb.DecodeRequest, context: grpc.ServicerContext,
         watch: PrefillWatch,
     ):  # fmt: skip
+        received_s = time.monotonic()
         prompt = list(request.prompt_token_ids)
         params = grpc_convert.sampling_params(request.params)
         num_prior = request.num_prior_output_tokens
@@ -174,9 +175,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                 metrics.OUTPUT_TOKENS.inc(len(output.new_token_ids))
                 if output.new_token_ids and not ttft_sent:
                     ttft_sent = True
-                    message.ttft.CopyFrom(_ttft(request, prefill, started))
-                    if prefill_here:  # queue and chunked prefill here are one span
-                        message.ttft.prefill_compute_s = time.monotonic() - started
+                    message.ttft.CopyFrom(
+                        _local_ttft(request, reserved, received_s)
+                        if prefill_here
+                        else _ttft(request, prefill, started)
+                    )
                 if stream.is_done:  # the last sample's last message
                     finished = True
                     message.usage.CopyFrom(
@@ -350,6 +353,21 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
                 else cached
             ),
         )
+
+
+def _local_ttft(request: wpb.DecodeRequest, local: Request, received_s: float) -> pb.TtftBreakdown:
+    """A prompt prefilled here: its queue from the call's arrival (the wait for the engine
+    thread's step in progress included) to its first scheduled chunk, its chunks to its first
+    token, and that token's way to this message. The engine stamps both with time.monotonic
+    before the token reaches this thread."""
+    scheduled_s = local.first_scheduled_time_s or received_s
+    first_token_s = local.first_token_time_s or scheduled_s
+    return pb.TtftBreakdown(
+        router_queue_s=request.router_queue_s,
+        prefill_queue_s=max(0.0, scheduled_s - received_s),
+        prefill_compute_s=max(0.0, first_token_s - scheduled_s),
+        first_token_emit_s=max(0.0, time.monotonic() - first_token_s),
+    )
 
 
 def _ttft(request: wpb.DecodeRequest, prefill, started: float) -> pb.TtftBreakdown:

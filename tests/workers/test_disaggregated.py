@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import SamplingParams
@@ -63,7 +65,9 @@ def test_a_shared_prefix_transfers_only_the_missing_blocks(cluster, llm):
 def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, llm, reference):
     """DecodeRequest.prefill_here (the router's prefill overflow): the engine's tokens, and
     no KV crosses the wire; asked again, its own prefix cache serves the prompt's 70 full
-    blocks, and the usage counts them."""
+    blocks, and the usage counts them. The first message's TTFT parts time the local queue,
+    chunks and emit within the call, with no transfer: three chunks of compute the first
+    time, one short one the second."""
     prefill, decode = cluster.workers
     backend = cluster.kv_backend
     received = lambda: decode.metric(  # noqa: E731
@@ -73,14 +77,23 @@ def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, ll
     recipe = " ".join(f"Step {i}: stir in {i * 2} grams of flour." for i in range(80))
     prompt = llm.tokenizer.encode(recipe)  # seen by no earlier test; three chunks of 512
     assert len(prompt) // 16 == 70
+    compute_s = []
     for cached in (0, 70 * 16):
+        started = time.monotonic()
         messages = generate(
             decode.address, prompt, prefill.address, prefill_here=True, max_tokens=8,
             temperature=0.0, ignore_eos=True,
         )  # fmt: skip
+        elapsed_s = time.monotonic() - started
         assert token_ids(messages) == reference(prompt, 8)
         assert messages[-1].finish_reason == "length"
         usage = messages[-1].usage
         assert (usage.prompt_tokens, usage.cached_prompt_tokens) == (len(prompt), cached)
+        ttft = next(m for m in messages if m.token_ids).ttft
+        assert ttft.kv_transfer_s == 0
+        assert min(ttft.prefill_queue_s, ttft.prefill_compute_s, ttft.first_token_emit_s) > 0
+        assert ttft.prefill_queue_s + ttft.prefill_compute_s + ttft.first_token_emit_s < elapsed_s
+        compute_s.append(ttft.prefill_compute_s)
+    assert compute_s[0] > compute_s[1]
     assert received() == before
     cluster.assert_idle(prefill, decode)
