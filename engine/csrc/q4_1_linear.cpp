@@ -53,6 +53,7 @@ inline void dot_rows(const uint8_t* codes, const float* scales, const float* min
                      int64_t groups, const XRows& x) {
 #ifdef __AVX512BW__
   constexpr int64_t kPairs = kRowsAtOnce / 2;
+  static_assert(kPairs == 2, "pair_scale_index and row_acc below name two pairs");
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   // Lanes 0..7 take a pair's first row's scale, lanes 8..15 its second's.
   const __m512i pair_scale_index[kPairs] = {
