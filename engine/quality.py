@@ -84,9 +84,5 @@ def codes_kernels_on_every_step() -> Iterator[None]:
     included, where the engine runs them on decode steps only. A kernel computes each row the
     same way whatever the batch, so teacher-forced positions then see what a decode step
     computes: the weights' codes and the kernels' rounded activations."""
-    max_rows = quantization.CODES_MAX_ROWS
-    quantization.CODES_MAX_ROWS = 1 << 30
-    try:
+    with quantization.codes_max_rows(1 << 30):
         yield
-    finally:
-        quantization.CODES_MAX_ROWS = max_rows

@@ -25,6 +25,8 @@ weights both read the same values (docs/engine.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
@@ -40,15 +42,30 @@ INT4_GROUP = 32
 # The C++ kernels (int4 layers, the Q8_0 head) take output rows four at a time.
 CODES_ROWS_AT_ONCE = 4
 # Steps of at most this many rows read the C++ kernels' codes (Int4Weight, Q8Weight); more rows
-# are compute-bound, where oneDNN's float32 matmul of the packed weight is faster (measured at 8
-# rows: docs/engine.md).
-CODES_MAX_ROWS = 4
+# run oneDNN's float32 matmul of the packed weight. A decode step reads every layer's weight
+# once, so the codes' 0.75 bytes a weight against float32's 4 win until the step is
+# compute-bound: in the engine, int4, the codes took 0.52x-0.86x of oneDNN's time a step from 6
+# to 16 rows, on AVX-512 and on AVX2 alike, and broke even near 24 (`python -m
+# bench.int4_rows` measures it on this machine; docs/engine.md).
+CODES_MAX_ROWS = 16
 # Steps of at most this many rows (decode batches) run the int8 kernel; larger ones (prefill
 # chunks) dequantize the weight and run one float matmul (measured: docs/engine.md).
 KERNEL_MAX_ROWS = 64
 PACK_BATCH_HINT = 32
 # Steps of at most this many rows read a packed weight's plain copy (PackedWeight).
 PLAIN_MAX_ROWS = 2
+
+
+@contextmanager
+def codes_max_rows(rows: int) -> Iterator[None]:
+    """Steps of up to `rows` rows read the codes kernels while the block runs (studies and
+    benchmarks: the engine's own limit is CODES_MAX_ROWS)."""
+    global CODES_MAX_ROWS
+    engine_rows, CODES_MAX_ROWS = CODES_MAX_ROWS, rows
+    try:
+        yield
+    finally:
+        CODES_MAX_ROWS = engine_rows
 
 
 def onednn_linear(x2: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

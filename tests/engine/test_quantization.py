@@ -144,6 +144,13 @@ def kernel_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * (levels / amax)) * (amax / levels)).view_as(x)
 
 
+def assert_sums_close(got, want, magnitude, terms):
+    """got is want up to float32 summation order: a sum of `terms` products, rounded in any
+    order, is within terms * 2^-24 of the sum of their magnitudes (`magnitude`), plus a few
+    roundings more for the kernels' scale products."""
+    assert ((got - want).abs() <= (terms + 4) * 2**-24 * magnitude).all()
+
+
 def assert_within_activation_rounding(got, x, weight, bias=0.0):
     """got is x @ weight.T to within the activations' rounding: each x within half a level of
     its group, so each output within sum |w| * half a level (plus float32 slack)."""
@@ -162,7 +169,7 @@ def test_q8_0_head_kernel_matches_the_float_weight_and_ignores_the_batch():
     for rows in range(1, len(x) + 1):  # the kernel's rows, then the packed float32 copy's
         got = linear(x[:rows], head)
         read = kernel_activations(x[:rows]) if rows <= CODES_MAX_ROWS else x[:rows]
-        torch.testing.assert_close(got, read @ w.T, rtol=1e-5, atol=1e-5)
+        assert_sums_close(got, read @ w.T, read.abs() @ w.abs().T, w.shape[1])
         assert_within_activation_rounding(got, x[:rows], w)
     # Each of the kernel's rows is computed alike, whatever the batch: bit for bit.
     batched = linear(x[:CODES_MAX_ROWS], head)
@@ -229,11 +236,16 @@ def test_int4_kernel_matches_dequantized_weights_and_ignores_the_batch():
         got = linear(x[:rows], q, bias)
         assert got.dtype == torch.float32 and got.shape == (rows, 96)
         if rows > CODES_MAX_ROWS:
-            torch.testing.assert_close(got, x[:rows] @ w.T + bias, rtol=1e-5, atol=1e-5)
+            want = x[:rows] @ w.T + bias
+            assert_sums_close(got, want, x[:rows].abs() @ w.abs().T + bias.abs(), w.shape[1])
             continue
         # scale * q times the rounded x, min times the unrounded x (its group sums).
-        want = kernel_activations(x[:rows]) @ (dequantized - mins).T + x[:rows] @ mins.T + bias
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        read = kernel_activations(x[:rows])
+        want = read @ (dequantized - mins).T + x[:rows] @ mins.T + bias
+        magnitude = (
+            read.abs() @ (dequantized - mins).abs().T + x[:rows].abs() @ mins.abs().T + bias.abs()
+        )
+        assert_sums_close(got, want, magnitude, 2 * w.shape[1])
         assert_within_activation_rounding(
             got, x[:rows], dequantized - mins, x[:rows] @ mins.T + bias
         )
