@@ -206,6 +206,7 @@ class Simulation:
     def __init__(self, config: ClusterConfig, cost: CostModel, cores: CoreShare | None = None):
         self.config = config
         self.cost = cost
+        self.cores = cores
         self.loop = asyncio.get_running_loop()
         self.workers: dict[str, SimWorker] = {}
         for spec in config.workers:
@@ -413,6 +414,8 @@ class Simulation:
                         request.max_tokens, sent_s=self.loop.time())  # fmt: skip
         self.records.append(record)
         await asyncio.sleep(hop)  # client -> router
+        if self.cores is not None:  # the host processes' CPU for it, beside the steps
+            self.cores.request_arrived()
         router = self.routers[self._num_served % len(self.routers)]
         self._num_served += 1
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)

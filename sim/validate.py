@@ -53,6 +53,9 @@ TARGETS = {"throughput_error": 0.15, "ttft_p50_error": 0.15, "ttft_p99_error": 0
 # drawn with another seed: its steps, real against simulated, give each role's in-situ factor
 # (in_situ_factors).
 CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSET = 40, 1000
+# Before the calibration run, the cluster idles this long: what its processes spend then is
+# taken out of the calibration run's CPU per request (host_cpu_s).
+IDLE_S = 3.0
 STEP_SUM = "pdserve_engine_step_seconds_sum"
 
 
@@ -139,14 +142,18 @@ def pinned(cores: list[int]):
 def predict(
     shape: Shape, requests: Sequential, num_requests: int, coefficients: LocalCoefficients,
     num_cores: int, beside: LocalCoefficients | None = None,
-    in_situ: dict[Role, float] | None = None,
+    in_situ: dict[Role, float] | None = None, host_cpu_s_per_request: float = 0.0,
 ) -> tuple[Measured, dict[str, float]]:  # fmt: skip
     """The simulated run's numbers, and each worker's seconds inside (modelled) steps.
     beside: the fit with a neighbour worker stepping (None: workers do not slow each other
-    below the core count); in_situ: each role's step-time factor (in_situ_factors)."""
+    below the core count); in_situ: each role's step-time factor (in_situ_factors);
+    host_cpu_s_per_request: the router's, client's and Redis's CPU per request (host_cpu_s),
+    run beside the steps (CoreShare)."""
     cost = LocalCost(coefficients, num_cores=num_cores)
     neighbours = None if beside is None else LocalCost(beside, num_cores=num_cores)
-    cores = CoreShare(num_cores, beside=neighbours, alone=cost)
+    cores = CoreShare(num_cores, beside=neighbours, alone=cost,
+                      threads_per_step=coefficients.threads,
+                      host_cpu_s_per_request=host_cpu_s_per_request)  # fmt: skip
     factors = in_situ or {}
     kinds: tuple[tuple[Role, int], ...] = (
         ("prefill", shape.num_prefill), ("decode", shape.num_decode),
@@ -185,8 +192,12 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
         assert cluster.router is not None
         url = cluster.router.http_url
         asyncio.run(_closed_loop(url, source("prompt_mix", 2, seed=-1), 2, 2))  # warm-up
+        idle = usage(cluster)
+        time.sleep(IDLE_S)
         start = usage(cluster)
-        asyncio.run(_closed_loop(url, calibration, CALIBRATION_REQUESTS, CONCURRENCY))
+        _, calibration_s = asyncio.run(
+            _closed_loop(url, calibration, CALIBRATION_REQUESTS, CONCURRENCY)
+        )
         before = usage(cluster)
         outcomes, wall_s = asyncio.run(_closed_loop(url, requests, num_requests, CONCURRENCY))
         after = usage(cluster)
@@ -196,6 +207,9 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
     tokens = sum(n + out for n, _, out in ok)
     spent: dict[str, Any] = {kind: _spent(before[kind], after[kind]) for kind in after}
     spent["calibration_step_s"] = _spent(start["step_s"], before["step_s"])
+    spent["calibration_cpu_s"] = _spent(start["cpu_s"], before["cpu_s"])
+    spent["calibration_s"] = calibration_s
+    spent["idle_cpu_s"] = _spent(idle["cpu_s"], start["cpu_s"])
     return summarize([t for _, t, _ in ok], tokens, wall_s, len(ok)), spent
 
 
@@ -299,18 +313,21 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
             real, spent = measure(shape, source(workload, num_requests, seed), num_requests,
                                   cores, log_dir,
                                   source(workload, CALIBRATION_REQUESTS, seed_2))  # fmt: skip
+            host_s = host_cpu_s(spent)
             _, calibration_steps = predict(shape, source(workload, CALIBRATION_REQUESTS, seed_2),
                                            CALIBRATION_REQUESTS, coefficients, len(cores),
-                                           neighbours)  # fmt: skip
+                                           neighbours, host_cpu_s_per_request=host_s)  # fmt: skip
             in_situ = in_situ_factors(spent["calibration_step_s"], calibration_steps)
             sim, sim_steps = predict(shape, source(workload, num_requests, seed), num_requests,
-                                     coefficients, len(cores), neighbours, in_situ)  # fmt: skip
+                                     coefficients, len(cores), neighbours, in_situ,
+                                     host_s)  # fmt: skip
             fitted, fitted_steps = predict(shape, source(workload, num_requests, seed),
                                            num_requests, coefficients, len(cores),
                                            neighbours)  # fmt: skip
             runs[label] = {"real": _round(real), "sim": _round(sim), **_errors(sim, real),
                            "real_cpu_s": spent["cpu_s"], "real_step_s": spent["step_s"],
                            "sim_step_s": sim_steps, "in_situ_factors": in_situ,
+                           "host_cpu_ms_per_request": round(1e3 * host_s, 2),
                            "sim_without_in_situ": _round(fitted),
                            "sim_step_s_without_in_situ": fitted_steps,
                            "errors_without_in_situ": _errors(fitted, real)}  # fmt: skip
@@ -327,14 +344,32 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
     }
 
 
+def host_cpu_s(spent: dict[str, Any]) -> float:
+    """CPU seconds per request of the processes that are not workers (the router, the load's
+    client, Redis) over the calibration run, less what they spend idle in as long (measured
+    over IDLE_S before it): the work that comes with each request, run beside the steps
+    (CoreShare). What they spend idle (heartbeats, registry reads, metrics; ~27 ms a second)
+    runs at any time, and stays in the in-situ factor with the workers' own threads beside
+    their steps (RPC, KV transfer)."""
+    workers = spent["calibration_step_s"]
+
+    def others(cpu_s: dict[str, float]) -> float:
+        return sum(seconds for name, seconds in cpu_s.items() if name not in workers)
+
+    idle_per_s = others(spent["idle_cpu_s"]) / IDLE_S
+    busy = others(spent["calibration_cpu_s"]) - idle_per_s * spent["calibration_s"]
+    return max(0.0, busy) / CALIBRATION_REQUESTS
+
+
 def in_situ_factors(
     real_step_s: dict[str, float], sim_step_s: dict[str, float]
 ) -> dict[Role, float]:
     """Each role's step-time factor: its workers' real step seconds over the simulator's on the
     calibration run, summed over the role (its workers are alike; one worker's share of 40
-    requests is not). It is what a step costs inside the running cluster beyond the isolated
-    fit: the router, the client and Redis waking on the workers' cores, the workers' own RPC
-    and KV threads, and the fit's error on the run's shapes. Worker ids are "<role>-<i>", in
+    requests is not), the simulator's run with the host processes' CPU (host_cpu_s) beside
+    its steps. It is what a step costs inside the running cluster beyond the isolated fit and
+    that CPU: the workers' own RPC and KV threads, caches, and the fit's error on the run's
+    shapes. Worker ids are "<role>-<i>", in
     the simulation as the launcher names them."""
     real: dict[Role, float] = {}
     simulated: dict[Role, float] = {}

@@ -52,54 +52,75 @@ class SimTokenizer:
 
 @dataclass(slots=True)
 class _Running:
-    """A step in progress: its work left, in seconds it would take alone on a core."""
+    """A step in progress, or a burst of the host processes' work: its work left, in seconds
+    it would take alone."""
 
     work_s: float
     ratio: float  # its shape's step time beside a neighbour over alone (1: not measured)
-    done: asyncio.Future[None]
+    threads: int  # the cores it keeps busy
+    is_step: bool
+    done: asyncio.Future[None] | None = None  # set when its work is done
     timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
 class CoreShare:
-    """Local cost model: how single-thread workers' steps share the machine, as the kernel's
-    scheduler shares it. Steps progress together (processor sharing): beyond the cores they take
-    turns, each at cores / running of a core; below, each has a core but they share memory
-    bandwidth and caches, which slows a step beside another worker's by what calibration
-    measured (beside: the cost fitted with a neighbour stepping on another core; None: not
-    measured). Rates change whenever a step starts or ends, so a long step that began among
-    others speeds up once they finish, as it does on the real cores."""
+    """Local cost model: how the workers' steps, and the other processes' work, share the
+    machine, as the kernel's scheduler shares it. Everything in progress progresses together
+    (processor sharing): a step keeps threads_per_step cores busy (the workers' torch threads),
+    a burst of host work one; beyond the cores each thread gets cores / threads of one; below,
+    each has its cores, but steps share memory bandwidth and caches, which slows a step beside
+    another worker's by what calibration measured (beside: the cost fitted with a neighbour
+    stepping on another core; None: not measured). Rates change whenever anything starts or
+    ends, so a long step that began among others speeds up once they finish, as it does on
+    the real cores.
+
+    The host work is the router's, the client's and Redis's CPU (host_cpu_s_per_request,
+    measured in situ: sim/validate.py), as one burst when each request arrives: in a closed
+    loop that is when the last one ended, the moment the real router forwards one stream's
+    end and the next request, and the client reads the one and sends the other."""
 
     num_cores: int
     beside: CostModel | None = None
     alone: CostModel | None = None  # the cost fitted without a neighbour, beside's baseline
+    threads_per_step: int = 1
+    host_cpu_s_per_request: float = 0.0
     _running: list[_Running] = field(default_factory=list)
     _since: float = 0.0  # when the rates last changed
 
     @property
     def num_busy(self) -> int:
-        return len(self._running)
+        return sum(r.is_step for r in self._running)
 
     def slowdown(self, shape: StepShape) -> float:
-        """A step about to start, if the steps running now ran throughout it: the estimate the
+        """A step about to start, if what is running now ran throughout it: the estimate the
         engine's clock stamps the step with (its end comes from run())."""
-        return 1.0 / self._rate(self.num_busy + 1, self._ratio(shape))
+        step = _Running(0.0, self._ratio(shape), self.threads_per_step, True)
+        return 1.0 / self._rate(step, [*self._running, step])
+
+    def request_arrived(self) -> None:
+        """The host processes' work for one request, run beside the steps."""
+        if self.host_cpu_s_per_request > 0:
+            loop = asyncio.get_running_loop()
+            burst = _Running(self.host_cpu_s_per_request, 1.0, 1, False)
+            self._reshare(loop, add=burst)
 
     def _ratio(self, shape: StepShape) -> float:
         if self.beside is None or self.alone is None:
             return 1.0
         return self.beside.step_s(shape) / self.alone.step_s(shape)
 
-    def _rate(self, num_running: int, ratio: float) -> float:
-        """Alone-seconds of work done per second by one of num_running steps."""
-        if num_running <= 1:
-            return 1.0
-        return min(1.0, self.num_cores / num_running) / ratio
+    def _rate(self, item: _Running, running: list[_Running]) -> float:
+        """Alone-seconds of work done per second by item among running (item included)."""
+        share = min(1.0, self.num_cores / sum(r.threads for r in running))
+        beside_a_step = item.is_step and sum(r.is_step for r in running) > 1
+        return share / item.ratio if beside_a_step else share
 
     async def run(self, shape: StepShape, alone_s: float) -> None:
         """Runs a step of alone_s seconds' work among the others in progress."""
         loop = asyncio.get_running_loop()
-        step = _Running(alone_s, self._ratio(shape), loop.create_future())
+        step = _Running(alone_s, self._ratio(shape), self.threads_per_step, True,
+                        loop.create_future())  # fmt: skip
         self._reshare(loop, add=step)
         try:
             await step.done
@@ -110,22 +131,23 @@ class CoreShare:
     def _reshare(self, loop: asyncio.AbstractEventLoop, add: _Running | None = None,
                  remove: _Running | None = None) -> None:  # fmt: skip
         now = loop.time()
-        for step in self._running:  # the work done at the old rates
-            step.work_s -= (now - self._since) * self._rate(len(self._running), step.ratio)
-            if step.timer is not None:
-                step.timer.cancel()
+        for item in self._running:  # the work done at the old rates
+            item.work_s -= (now - self._since) * self._rate(item, self._running)
+            if item.timer is not None:
+                item.timer.cancel()
         self._since = now
         if add is not None:
             self._running.append(add)
         if remove is not None:
             self._running.remove(remove)
-        for step in self._running:
-            left = max(0.0, step.work_s) / self._rate(len(self._running), step.ratio)
-            step.timer = loop.call_at(now + left, self._finish, loop, step)
+        for item in self._running:
+            left = max(0.0, item.work_s) / self._rate(item, self._running)
+            item.timer = loop.call_at(now + left, self._finish, loop, item)
 
-    def _finish(self, loop: asyncio.AbstractEventLoop, step: _Running) -> None:
-        self._reshare(loop, remove=step)
-        step.done.set_result(None)
+    def _finish(self, loop: asyncio.AbstractEventLoop, item: _Running) -> None:
+        self._reshare(loop, remove=item)
+        if item.done is not None:
+            item.done.set_result(None)
 
 
 class ModelledSlots:

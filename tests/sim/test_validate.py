@@ -1,12 +1,21 @@
-"""`pdserve sim validate`'s in-situ factors: a role's real step seconds over its simulated ones
-on the calibration run, applied to that role's workers' steps in the prediction."""
+"""`pdserve sim validate`'s in-situ measurements: a role's real step seconds over its simulated
+ones on the calibration run, applied to that role's workers' steps in the prediction, and the
+host processes' CPU per request, net of what they spend idle."""
 
 from __future__ import annotations
 
 import pytest
 
 from sim.costs import LocalCoefficients
-from sim.validate import SHAPES, in_situ_factors, predict, source
+from sim.validate import (
+    CALIBRATION_REQUESTS,
+    IDLE_S,
+    SHAPES,
+    host_cpu_s,
+    in_situ_factors,
+    predict,
+    source,
+)
 from tests.sim.test_costs import MODEL, TERMS
 
 COEFFICIENTS = LocalCoefficients(**TERMS, threads=1, model=MODEL, kv_bytes_per_token=46080)
@@ -30,3 +39,37 @@ def test_a_worker_s_factor_scales_its_steps_in_the_prediction():
     # 12 prompts of one prefill worker, each prefilled alone: every step 1.5x as long.
     assert slower["prefill-0"] == pytest.approx(1.5 * plain["prefill-0"], abs=0.02)
     assert slower["decode-0"] > 0
+
+
+def test_the_host_cpu_per_request_leaves_out_what_the_processes_spend_idle():
+    workers = {"prefill-0": 30.0, "decode-0": 40.0}
+    idle_per_s = {"router": 0.01, "client": 0.012, "redis": 0.003, "prefill-0": 0.5}
+    spent = {
+        "calibration_step_s": workers,
+        "calibration_s": 20.0,
+        # idle at those rates for the 20 s, plus 25 ms a request of the router and 10 of the
+        # client (the workers' CPU is theirs, never the host's)
+        "calibration_cpu_s": {
+            "router": 20 * 0.01 + CALIBRATION_REQUESTS * 0.025,
+            "client": 20 * 0.012 + CALIBRATION_REQUESTS * 0.010,
+            "redis": 20 * 0.003,
+            "prefill-0": 55.0,
+            "decode-0": 41.0,
+        },
+        "idle_cpu_s": {name: rate * IDLE_S for name, rate in idle_per_s.items()},
+    }
+    assert host_cpu_s(spent) == pytest.approx(0.035)
+    spent["calibration_cpu_s"] = {name: 0.0 for name in spent["calibration_cpu_s"]}
+    assert host_cpu_s(spent) == 0.0  # never below nothing
+
+
+def test_the_host_cpu_slows_the_simulated_steps_it_runs_beside():
+    def steps(host_s):
+        _, step_s = predict(ONE_P_ONE_D, source("prompt_mix", 12, seed=3), 12, COEFFICIENTS,
+                            num_cores=2, host_cpu_s_per_request=host_s)  # fmt: skip
+        return step_s
+
+    plain, busy = steps(0.0), steps(0.5)
+    # Two single-thread workers and a half-second burst per request on two cores: whoever
+    # steps beside a burst gets 2/3 of a core.
+    assert busy["prefill-0"] > plain["prefill-0"] + 0.5
