@@ -53,7 +53,6 @@ def decode_step_ms(engine: LLMEngine, batch: int, args: argparse.Namespace, ids:
     elapsed_s = time.perf_counter() - started
     for request in requests:  # the last tokens are not timed
         engine.abort_request(request.request_id)
-    engine.step()  # the aborts take effect
     return elapsed_s / args.steps * 1e3
 
 

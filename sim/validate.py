@@ -369,8 +369,7 @@ def in_situ_factors(
     requests is not), the simulator's run with the host processes' CPU (host_cpu_s) beside
     its steps. It is what a step costs inside the running cluster beyond the isolated fit and
     that CPU: the workers' own RPC and KV threads, caches, and the fit's error on the run's
-    shapes. Worker ids are "<role>-<i>", in
-    the simulation as the launcher names them."""
+    shapes. Worker ids are "<role>-<i>", in the simulation as the launcher names them."""
     real: dict[Role, float] = {}
     simulated: dict[Role, float] = {}
     for worker_id, seconds in sim_step_s.items():
