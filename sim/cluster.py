@@ -414,8 +414,8 @@ class Simulation:
                         request.max_tokens, sent_s=self.loop.time())  # fmt: skip
         self.records.append(record)
         await asyncio.sleep(hop)  # client -> router
-        if self.cores is not None:  # the host processes' CPU for it, beside the steps
-            self.cores.request_arrived()
+        if self.cores is not None:  # the host processes' CPU for it, before it is placed
+            await self.cores.request_arrived()
         router = self.routers[self._num_served % len(self.routers)]
         self._num_served += 1
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)

@@ -76,9 +76,12 @@ class CoreShare:
     the real cores.
 
     The host work is the router's, the client's and Redis's CPU (host_cpu_s_per_request,
-    measured in situ: sim/validate.py), as one burst when each request arrives: in a closed
-    loop that is when the last one ended, the moment the real router forwards one stream's
-    end and the next request, and the client reads the one and sends the other."""
+    measured in situ: sim/validate.py), as one burst when each request arrives, which the
+    request waits for before the router places it: the real router parses, tokenizes and
+    places a request before it forwards it, so that work runs beside the steps in progress,
+    not beside the request's own prefill. In a closed loop a request arrives when the last
+    one ended, the moment the router forwards one stream's end and the next request, and the
+    client reads the one and sends the other."""
 
     num_cores: int
     beside: CostModel | None = None
@@ -98,12 +101,14 @@ class CoreShare:
         step = _Running(0.0, self._ratio(shape), self.threads_per_step, True)
         return 1.0 / self._rate(step, [*self._running, step])
 
-    def request_arrived(self) -> None:
-        """The host processes' work for one request, run beside the steps."""
+    async def request_arrived(self) -> None:
+        """The host processes' work for one request, run beside the steps; returns when it is
+        done."""
         if self.host_cpu_s_per_request > 0:
             loop = asyncio.get_running_loop()
-            burst = _Running(self.host_cpu_s_per_request, 1.0, 1, False)
+            burst = _Running(self.host_cpu_s_per_request, 1.0, 1, False, loop.create_future())
             self._reshare(loop, add=burst)
+            await burst.done
 
     def _ratio(self, shape: StepShape) -> float:
         if self.beside is None or self.alone is None:

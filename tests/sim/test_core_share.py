@@ -76,21 +76,22 @@ def test_the_estimate_for_a_step_about_to_start_counts_the_steps_running_now():
     assert none == pytest.approx(1.0)
 
 
-def step_end_with_a_burst(cores: CoreShare, burst_at_s: float, alone_s: float) -> float:
-    """When a step of alone_s starting at 0 ends, the host processes' burst for a request
-    arriving at burst_at_s beside it."""
+def step_and_burst_ends(cores: CoreShare, burst_at_s: float, alone_s: float) -> tuple[float, float]:
+    """When a step of alone_s starting at 0 ends, and when the host processes' burst for a
+    request arriving at burst_at_s beside it ends (request_arrived returns)."""
 
-    async def main() -> float:
+    async def main() -> tuple[float, float]:
         loop = asyncio.get_running_loop()
 
-        async def arrive() -> None:
+        async def arrive() -> float:
             await asyncio.sleep(burst_at_s)
-            cores.request_arrived()
+            await cores.request_arrived()
+            return loop.time()
 
         arrival = asyncio.ensure_future(arrive())
         await cores.run(SHAPE, alone_s)
-        await arrival
-        return loop.time()
+        step_end = loop.time()
+        return step_end, await arrival
 
     return run_virtual(main())
 
@@ -100,22 +101,23 @@ def test_a_request_s_host_work_takes_a_core_from_a_step_that_keeps_every_core_bu
     # step has done 0.2 by the burst; the burst's 0.5 s takes 0.75 s, while the step does 0.5
     # more; the last 0.3 runs alone: the step ends at 0.2 + 0.75 + 0.3.
     cores = CoreShare(2, threads_per_step=2, host_cpu_s_per_request=0.5)
-    assert step_end_with_a_burst(cores, 0.2, 1.0) == pytest.approx(1.25)
+    assert step_and_burst_ends(cores, 0.2, 1.0) == pytest.approx((1.25, 0.95))
     assert cores.num_busy == 0
 
 
 def test_a_request_s_host_work_on_a_spare_core_leaves_a_single_thread_step_alone():
     cores = CoreShare(2, threads_per_step=1, host_cpu_s_per_request=0.5)
-    assert step_end_with_a_burst(cores, 0.2, 1.0) == pytest.approx(1.0)
+    assert step_and_burst_ends(cores, 0.2, 1.0) == pytest.approx((1.0, 0.7))
 
 
 def test_the_estimate_for_a_step_about_to_start_counts_host_work_in_progress():
     cores = CoreShare(2, threads_per_step=2, host_cpu_s_per_request=0.5)
 
     async def main() -> tuple[float, float]:
-        cores.request_arrived()
+        burst = asyncio.ensure_future(cores.request_arrived())
+        await asyncio.sleep(0)  # the burst starts
         during = cores.slowdown(SHAPE)  # 2 threads beside the burst's one on 2 cores
-        await asyncio.sleep(1.0)  # the burst alone: done after 0.5 s
+        await burst  # alone: done after 0.5 s
         return during, cores.slowdown(SHAPE)
 
     during, after = run_virtual(main())
