@@ -49,12 +49,14 @@ SHORT_BELOW, LONG_ABOVE, PREFILL_TOKEN_BUDGET = 512, 2048, 2048  # the router's,
 WORKLOADS = ("prompt_mix", "chat")
 CHAT = Conversations()
 TARGETS = {"throughput_error": 0.15, "ttft_p50_error": 0.15, "ttft_p99_error": 0.25}
-# Before each measured run, the same cluster serves this many requests of the same workload
-# drawn with another seed: its steps, real against simulated, give each role's in-situ factor
-# (in_situ_factors).
-CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSET = 40, 1000
-# Before the calibration run, the cluster idles this long: what its processes spend then is
-# taken out of the calibration run's CPU per request (host_cpu_s).
+# Before and after each measured run, the same cluster serves this many requests of the same
+# workload, each time drawn with another seed: their steps, real against simulated, give each
+# role's in-situ factor (in_situ_factors). Both sides, because this host's speed drifts by
+# 10-15% over minutes (the same run measured 450 and 502 tok/s a few minutes apart): a window
+# on one side alone carries that drift into the prediction.
+CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSETS = 40, (1000, 2000)
+# Before the first calibration run, the cluster idles this long: what its processes spend then
+# is taken out of the calibration runs' CPU per request (host_cpu_s).
 IDLE_S = 3.0
 STEP_SUM = "pdserve_engine_step_seconds_sum"
 
@@ -180,10 +182,11 @@ def _measured(done: list[Record], wall_s: float) -> Measured:
 
 
 def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[int],
-            log_dir: Path, calibration: Sequential) -> tuple[Measured, dict[str, Any]]:  # fmt: skip
+            log_dir: Path, calibration: tuple[Sequential, Sequential],
+            ) -> tuple[Measured, dict[str, Any]]:  # fmt: skip
     """The real run's numbers, where its CPU went (usage()), and each worker's step seconds
-    in the calibration run before it (CALIBRATION_REQUESTS of calibration, on the same
-    cluster: in_situ_factors)."""
+    in the calibration runs before and after it (CALIBRATION_REQUESTS of each of calibration,
+    on the same cluster: in_situ_factors), summed."""
     from pdserve.launcher import LocalCluster
 
     cluster = LocalCluster(shape.spec(len(cores), log_dir / shape.label)).start()
@@ -195,20 +198,27 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
         idle = usage(cluster)
         time.sleep(IDLE_S)
         start = usage(cluster)
-        _, calibration_s = asyncio.run(
-            _closed_loop(url, calibration, CALIBRATION_REQUESTS, CONCURRENCY)
+        _, first_s = asyncio.run(
+            _closed_loop(url, calibration[0], CALIBRATION_REQUESTS, CONCURRENCY)
         )
         before = usage(cluster)
         outcomes, wall_s = asyncio.run(_closed_loop(url, requests, num_requests, CONCURRENCY))
         after = usage(cluster)
+        _, second_s = asyncio.run(
+            _closed_loop(url, calibration[1], CALIBRATION_REQUESTS, CONCURRENCY)
+        )
+        end = usage(cluster)
     finally:
         cluster.stop()
     ok = [(n, ttft, out) for n, ttft, out in outcomes if ttft is not None]
     tokens = sum(n + out for n, _, out in ok)
     spent: dict[str, Any] = {kind: _spent(before[kind], after[kind]) for kind in after}
-    spent["calibration_step_s"] = _spent(start["step_s"], before["step_s"])
-    spent["calibration_cpu_s"] = _spent(start["cpu_s"], before["cpu_s"])
-    spent["calibration_s"] = calibration_s
+    for kind in ("step_s", "cpu_s"):
+        first, second = _spent(start[kind], before[kind]), _spent(after[kind], end[kind])
+        spent[f"calibration_{kind}"] = {name: round(first.get(name, 0.0) + seconds, 2)
+                                        for name, seconds in second.items()}  # fmt: skip
+    spent["calibration_s"] = first_s + second_s
+    spent["calibration_requests"] = 2 * CALIBRATION_REQUESTS
     spent["idle_cpu_s"] = _spent(idle["cpu_s"], start["cpu_s"])
     return summarize([t for _, t, _ in ok], tokens, wall_s, len(ok)), spent
 
@@ -309,14 +319,18 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
         for workload in workloads:
             label = f"{shape.label}/{workload}"
             report(f"{label}: {num_requests} requests on a real cluster...")
-            seed_2 = seed + CALIBRATION_SEED_OFFSET
+            first, second = (source(workload, CALIBRATION_REQUESTS, seed + offset)
+                             for offset in CALIBRATION_SEED_OFFSETS)  # fmt: skip
             real, spent = measure(shape, source(workload, num_requests, seed), num_requests,
-                                  cores, log_dir,
-                                  source(workload, CALIBRATION_REQUESTS, seed_2))  # fmt: skip
+                                  cores, log_dir, (first, second))  # fmt: skip
             host_s = host_cpu_s(spent)
-            _, calibration_steps = predict(shape, source(workload, CALIBRATION_REQUESTS, seed_2),
-                                           CALIBRATION_REQUESTS, coefficients, len(cores),
-                                           neighbours, host_cpu_s_per_request=host_s)  # fmt: skip
+            calibration_steps: dict[str, float] = {}
+            for offset in CALIBRATION_SEED_OFFSETS:
+                _, steps = predict(shape, source(workload, CALIBRATION_REQUESTS, seed + offset),
+                                   CALIBRATION_REQUESTS, coefficients, len(cores), neighbours,
+                                   host_cpu_s_per_request=host_s)  # fmt: skip
+                for worker_id, seconds in steps.items():
+                    calibration_steps[worker_id] = calibration_steps.get(worker_id, 0.0) + seconds
             in_situ = in_situ_factors(spent["calibration_step_s"], calibration_steps)
             sim, sim_steps = predict(shape, source(workload, num_requests, seed), num_requests,
                                      coefficients, len(cores), neighbours, in_situ,
@@ -346,8 +360,8 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
 
 def host_cpu_s(spent: dict[str, Any]) -> float:
     """CPU seconds per request of the processes that are not workers (the router, the load's
-    client, Redis) over the calibration run, less what they spend idle in as long (measured
-    over IDLE_S before it): the work that comes with each request, run beside the steps
+    client, Redis) over the calibration runs, less what they spend idle in as long (measured
+    over IDLE_S before the first): the work that comes with each request, run beside the steps
     (CoreShare). What they spend idle (heartbeats, registry reads, metrics; ~27 ms a second)
     runs at any time, and stays in the in-situ factor with the workers' own threads beside
     their steps (RPC, KV transfer)."""
@@ -358,15 +372,15 @@ def host_cpu_s(spent: dict[str, Any]) -> float:
 
     idle_per_s = others(spent["idle_cpu_s"]) / IDLE_S
     busy = others(spent["calibration_cpu_s"]) - idle_per_s * spent["calibration_s"]
-    return max(0.0, busy) / CALIBRATION_REQUESTS
+    return max(0.0, busy) / spent["calibration_requests"]
 
 
 def in_situ_factors(
     real_step_s: dict[str, float], sim_step_s: dict[str, float]
 ) -> dict[Role, float]:
     """Each role's step-time factor: its workers' real step seconds over the simulator's on the
-    calibration run, summed over the role (its workers are alike; one worker's share of 40
-    requests is not), the simulator's run with the host processes' CPU (host_cpu_s) beside
+    calibration runs, summed over the role (its workers are alike; one worker's share of 40
+    requests is not), the simulator's runs with the host processes' CPU (host_cpu_s) beside
     its steps. It is what a step costs inside the running cluster beyond the isolated fit and
     that CPU: the workers' own RPC and KV threads, caches, and the fit's error on the run's
     shapes. Worker ids are "<role>-<i>", in the simulation as the launcher names them."""

@@ -1,5 +1,5 @@
 """`pdserve sim validate`'s in-situ measurements: a role's real step seconds over its simulated
-ones on the calibration run, applied to that role's workers' steps in the prediction, and the
+ones on the calibration runs, applied to that role's workers' steps in the prediction, and the
 host processes' CPU per request, net of what they spend idle."""
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def test_the_host_cpu_per_request_leaves_out_what_the_processes_spend_idle():
     spent = {
         "calibration_step_s": workers,
         "calibration_s": 20.0,
+        "calibration_requests": CALIBRATION_REQUESTS,
         # idle at those rates for the 20 s, plus 25 ms a request of the router and 10 of the
         # client (the workers' CPU is theirs, never the host's)
         "calibration_cpu_s": {
