@@ -51,9 +51,10 @@ CHAT = Conversations()
 TARGETS = {"throughput_error": 0.15, "ttft_p50_error": 0.15, "ttft_p99_error": 0.25}
 # Before and after each measured run, the same cluster serves this many requests of the same
 # workload, each time drawn with another seed: their steps, real against simulated, give each
-# role's in-situ factor (in_situ_factors). Both sides, because this host's speed drifts by
-# 10-15% over minutes (the same run measured 450 and 502 tok/s a few minutes apart): a window
-# on one side alone carries that drift into the prediction.
+# role's in-situ factor (in_situ_factors). Two windows, one on each side: a window's step cost
+# varies from window to window on the same cluster (by up to 30% with 2P+1D's unpinned
+# workers), and the host's speed may drift over the run; the two average the first and cancel
+# the second.
 CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSETS = 40, (1000, 2000)
 # Before the first calibration run, the cluster idles this long: what its processes spend then
 # is taken out of the calibration runs' CPU per request (host_cpu_s).
