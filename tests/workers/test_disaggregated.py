@@ -66,19 +66,20 @@ def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, ll
     """DecodeRequest.prefill_here (the router's prefill overflow): the engine's tokens, and
     no KV crosses the wire; asked again, its own prefix cache serves the prompt's 70 full
     blocks, and the usage counts them. The first message's TTFT parts time the local queue,
-    chunks and emit within the call, with no transfer: three chunks of compute the first
-    time, one short one the second."""
+    chunks and emit within the call, with no transfer; the worker's steps count three chunks
+    of compute the first time, one short one the second, then a step per later token."""
     prefill, decode = cluster.workers
     backend = cluster.kv_backend
     received = lambda: decode.metric(  # noqa: E731
         "pdserve_kv_transfer_bytes_total", backend=backend, direction="received"
     )
     before = received()
+    steps = lambda: decode.metric("pdserve_engine_step_seconds_count")  # noqa: E731
     recipe = " ".join(f"Step {i}: stir in {i * 2} grams of flour." for i in range(80))
     prompt = llm.tokenizer.encode(recipe)  # seen by no earlier test; three chunks of 512
     assert len(prompt) // 16 == 70
-    compute_s = []
-    for cached in (0, 70 * 16):
+    for cached, num_chunks in ((0, 3), (70 * 16, 1)):
+        steps_before = steps()
         started = time.monotonic()
         messages = generate(
             decode.address, prompt, prefill.address, prefill_here=True, max_tokens=8,
@@ -93,7 +94,6 @@ def test_a_decode_worker_asked_to_prefill_computes_the_prompt_itself(cluster, ll
         assert ttft.kv_transfer_s == 0
         assert min(ttft.prefill_queue_s, ttft.prefill_compute_s, ttft.first_token_emit_s) > 0
         assert ttft.prefill_queue_s + ttft.prefill_compute_s + ttft.first_token_emit_s < elapsed_s
-        compute_s.append(ttft.prefill_compute_s)
-    assert compute_s[0] > compute_s[1]
+        assert steps() - steps_before == num_chunks + 7  # the last chunk samples the first token
     assert received() == before
     cluster.assert_idle(prefill, decode)
