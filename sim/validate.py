@@ -219,7 +219,7 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
         spent[f"calibration_{kind}"] = {name: round(first.get(name, 0.0) + seconds, 2)
                                         for name, seconds in second.items()}  # fmt: skip
     spent["calibration_s"] = first_s + second_s
-    spent["calibration_requests"] = 2 * CALIBRATION_REQUESTS
+    spent["calibration_requests"] = len(calibration) * CALIBRATION_REQUESTS
     spent["idle_cpu_s"] = _spent(idle["cpu_s"], start["cpu_s"])
     return summarize([t for _, t, _ in ok], tokens, wall_s, len(ok)), spent
 
