@@ -4,6 +4,7 @@ cost-model runner in place of the model, stepped by a coroutine on the virtual c
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -68,7 +69,11 @@ class CoreShare:
     """Local cost model: how the workers' steps, and the other processes' work, share the
     machine, as the kernel's scheduler shares it. Everything in progress progresses together
     (processor sharing): a step keeps threads_per_step cores busy (the workers' torch threads),
-    a burst of host work one; beyond the cores each thread gets cores / threads of one; below,
+    a burst of host work one; beyond the cores each thread gets cores / threads of one, except
+    that a step of several threads goes at the pace of the one on the busiest core (they meet
+    at a barrier after every operation: in traces of an aggregated worker on every core, the
+    step that ran while the router took a request lasted longer than processor sharing gave
+    it); below,
     each has its cores, but steps share memory bandwidth and caches, which slows a step beside
     another worker's by what calibration measured (beside: the cost fitted with a neighbour
     stepping on another core; None: not measured). Rates change whenever anything starts or
@@ -117,7 +122,12 @@ class CoreShare:
 
     def _rate(self, item: _Running, running: list[_Running]) -> float:
         """Alone-seconds of work done per second by item among running (item included)."""
-        share = min(1.0, self.num_cores / sum(r.threads for r in running))
+        num_threads = sum(r.threads for r in running)
+        share = min(1.0, self.num_cores / num_threads)
+        if item.is_step and item.threads > 1 and num_threads > self.num_cores:
+            # Its threads meet at a barrier after every operation, so the step goes at the
+            # pace of its slowest thread: the one on the busiest core.
+            share = 1.0 / math.ceil(num_threads / self.num_cores)
         beside_a_step = item.is_step and sum(r.is_step for r in running) > 1
         return share / item.ratio if beside_a_step else share
 
