@@ -58,7 +58,7 @@ TARGETS = {"throughput_error": 0.15, "ttft_p50_error": 0.15, "ttft_p99_error": 0
 CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSETS = 40, (1000, 2000)
 # Before the first calibration run, the cluster idles this long: what its processes spend then
 # is taken out of the calibration runs' CPU per request (host_cpu_s).
-IDLE_S = 3.0
+IDLE_S = 10.0
 STEP_SUM = "pdserve_engine_step_seconds_sum"
 
 
@@ -185,7 +185,7 @@ def _measured(done: list[Record], wall_s: float) -> Measured:
 def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[int],
             log_dir: Path, calibration: tuple[Sequential, Sequential],
             ) -> tuple[Measured, dict[str, Any]]:  # fmt: skip
-    """The real run's numbers, where its CPU went (usage()), and each worker's step seconds
+    """The real run's numbers, where its CPU went (Usage), and each worker's step seconds
     in the calibration runs before and after it (CALIBRATION_REQUESTS of each of calibration,
     on the same cluster: in_situ_factors), summed."""
     from pdserve.launcher import LocalCluster
@@ -196,19 +196,20 @@ def measure(shape: Shape, requests: Sequential, num_requests: int, cores: list[i
         assert cluster.router is not None
         url = cluster.router.http_url
         asyncio.run(_closed_loop(url, source("prompt_mix", 2, seed=-1), 2, 2))  # warm-up
-        idle = usage(cluster)
+        usage = Usage(cluster)
+        idle = usage.read()
         time.sleep(IDLE_S)
-        start = usage(cluster)
+        start = usage.read()
         _, first_s = asyncio.run(
             _closed_loop(url, calibration[0], CALIBRATION_REQUESTS, CONCURRENCY)
         )
-        before = usage(cluster)
+        before = usage.read()
         outcomes, wall_s = asyncio.run(_closed_loop(url, requests, num_requests, CONCURRENCY))
-        after = usage(cluster)
+        after = usage.read()
         _, second_s = asyncio.run(
             _closed_loop(url, calibration[1], CALIBRATION_REQUESTS, CONCURRENCY)
         )
-        end = usage(cluster)
+        end = usage.read()
     finally:
         cluster.stop()
     ok = [(n, ttft, out) for n, ttft, out in outcomes if ttft is not None]
@@ -228,22 +229,37 @@ def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {name: round(after[name] - before.get(name, 0.0), 2) for name in after}
 
 
-def usage(cluster) -> dict[str, dict[str, float]]:
+class Usage:
     """CPU seconds so far of every process of the run (the cluster's children, Redis, and this
     one, the load's client), and each worker's seconds inside engine steps (its step-time
-    histogram's sum): what the simulator models is the steps; the rest shares the cores."""
-    import psutil
+    histogram's sum): what the simulator models is the steps; the rest shares the cores.
 
-    from pdserve.registry import Registry
-    from planner.local import scrape
+    The client's CPU leaves out what the readings themselves cost this process (~45 ms each:
+    the workers' metrics scraped, the registry read): counted in, it was most of what the
+    idle window measured, and the host CPU per request (host_cpu_s) came out 0 in some runs."""
 
-    pids = {child.name: child.process.pid for child in cluster.children}
-    pids |= {"redis": cluster.redis.process.pid, "client": os.getpid()}
-    cpu = {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
-    registry = Registry(cluster.redis_url)
-    workers = [w for role in ("prefill", "decode", "aggregated") for w in registry.workers(role)]
-    steps = {w.worker_id: scrape(w.metrics_url, {STEP_SUM})[STEP_SUM] for w in workers}
-    return {"cpu_s": cpu, "step_s": steps}
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self._reading_s = 0.0  # this process's CPU inside read(), so far
+
+    def read(self) -> dict[str, dict[str, float]]:
+        import psutil
+
+        from pdserve.registry import Registry
+        from planner.local import scrape
+
+        started_s = time.process_time()
+        cluster = self.cluster
+        pids = {child.name: child.process.pid for child in cluster.children}
+        pids["redis"] = cluster.redis.process.pid
+        cpu = {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
+        registry = Registry(cluster.redis_url)
+        workers = [w for role in ("prefill", "decode", "aggregated")
+                   for w in registry.workers(role)]  # fmt: skip
+        steps = {w.worker_id: scrape(w.metrics_url, {STEP_SUM})[STEP_SUM] for w in workers}
+        self._reading_s += time.process_time() - started_s
+        cpu["client"] = time.process_time() - self._reading_s
+        return {"cpu_s": cpu, "step_s": steps}
 
 
 def _pin_workers(cluster, shape: Shape, cores: list[int]) -> None:
@@ -363,7 +379,7 @@ def host_cpu_s(spent: dict[str, Any]) -> float:
     """CPU seconds per request of the processes that are not workers (the router, the load's
     client, Redis) over the calibration runs, less what they spend idle in as long (measured
     over IDLE_S before the first): the work that comes with each request, run beside the steps
-    (CoreShare). What they spend idle (heartbeats, registry reads, metrics; ~27 ms a second)
+    (CoreShare). What they spend idle (heartbeats, registry reads, metrics; ~15 ms a second)
     runs at any time, and stays in the in-situ factor with the workers' own threads beside
     their steps (RPC, KV transfer)."""
     workers = spent["calibration_step_s"]
