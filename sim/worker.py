@@ -73,12 +73,11 @@ class CoreShare:
     that a step of several threads goes at the pace of the one on the busiest core (they meet
     at a barrier after every operation: in traces of an aggregated worker on every core, the
     step that ran while the router took a request lasted longer than processor sharing gave
-    it); below,
-    each has its cores, but steps share memory bandwidth and caches, which slows a step beside
-    another worker's by what calibration measured (beside: the cost fitted with a neighbour
-    stepping on another core; None: not measured). Rates change whenever anything starts or
-    ends, so a long step that began among others speeds up once they finish, as it does on
-    the real cores.
+    it); below, each has its cores, but steps share memory bandwidth and caches, which slows a
+    step beside another worker's by what calibration measured (beside: the cost fitted with a
+    neighbour stepping on another core; None: not measured). Rates change whenever anything
+    starts or ends, so a long step that began among others speeds up once they finish, as it
+    does on the real cores.
 
     The host work is the router's, the client's and Redis's CPU (host_cpu_s_per_request,
     measured in situ: sim/validate.py), as one burst when each request arrives, which the
