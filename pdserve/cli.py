@@ -305,7 +305,7 @@ ROUTER_OPTIONS = (
     Option("prefix_decode_weight", "PDSERVE_PREFIX_DECODE_WEIGHT",
            "Watermark policy: weight of the prompt KV fraction a decode worker holds "
            "(0 = load only).", RoutingSettings),
-    Option("default_prefill_tokens_per_s", None, "For workers that have not measured yet.",
+    Option("default_prefill_tokens_per_s", None, "Until a worker of the role has measured.",
            AdmissionSettings),
     Option("max_prompt_tokens", None, "0 = the context minus one.", own_default=0),
     Option("max_body_bytes", None, None, RouterSettings),

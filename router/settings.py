@@ -46,7 +46,7 @@ class AdmissionSettings:
     ttft_slo_s: float | None = None
     max_queue_wait_s: float | None = None  # estimated router queue wait above this: 429
     queue_timeout_s: float = 120.0  # a queued request that waited this long gets a 429
-    default_prefill_tokens_per_s: float = 500.0  # for a worker that has not measured yet
+    default_prefill_tokens_per_s: float = 500.0  # until a worker of the role has measured
     # A request holds its prompt plus this many output tokens of decode KV at admission; the
     # decode engine grows and preempts beyond it.
     kv_output_reserve_tokens: int = 128

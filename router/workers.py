@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,7 @@ class WorkerView:
     info: WorkerInfo
     queued_tokens: int  # prefill: prompt tokens waiting or being prefilled
     queued_requests: int  # prefill: requests waiting or being prefilled
-    tokens_per_s: float  # prefill: measured throughput, or the configured default
+    tokens_per_s: float  # prefill: measured throughput, else its role's mean (_view)
     free_blocks: int  # decode: KV blocks free (cached-but-unused ones count as free)
     total_blocks: int
     running_requests: int  # decode: requests in the batch
@@ -72,6 +73,10 @@ class RoleViews(Sequence[WorkerView]):
         self.free_blocks = 0
         self.total_blocks = 0
         self._num_by_total_blocks: Counter[int] = Counter()
+        # The prefill speeds the workers have measured (speed -> how many), and the ids of those
+        # that have not measured yet, whose views take the mean (WorkerPool._view).
+        self._measured: Counter[float] = Counter()
+        self.unmeasured: set[str] = set()
 
     def get(self, worker_id: str) -> WorkerView | None:
         return self._views.get(worker_id)
@@ -82,6 +87,14 @@ class RoleViews(Sequence[WorkerView]):
     def one_kv_size(self) -> bool:
         """Every worker has the same number of KV blocks."""
         return len(self._num_by_total_blocks) == 1
+
+    def measured_tokens_per_s(self) -> float | None:
+        """The mean prefill speed the role's workers have measured (None: none has yet); the
+        same whatever order the workers came and went in (a kept view equals a fresh one)."""
+        if not self._measured:
+            return None
+        total = math.fsum(speed * n for speed, n in self._measured.items())
+        return total / sum(self._measured.values())
 
     def all_report_capacity(self) -> bool:
         """Every worker has reported its KV blocks (one with 0 has not yet)."""
@@ -119,6 +132,14 @@ class RoleViews(Sequence[WorkerView]):
         counts[view.total_blocks] += sign
         if counts[view.total_blocks] == 0:
             del counts[view.total_blocks]
+        if (measured := view.info.load.prefill_tokens_per_s) > 0:
+            self._measured[measured] += sign
+            if self._measured[measured] == 0:
+                del self._measured[measured]
+        elif sign > 0:
+            self.unmeasured.add(view.worker_id)
+        else:
+            self.unmeasured.discard(view.worker_id)
 
     def _in_order(self) -> tuple[WorkerView, ...]:
         if self._ordered is None:
@@ -180,6 +201,7 @@ class WorkerPool:
         for worker_id in current.keys() - fresh.keys():
             del current[worker_id]
             self._views[role].put(worker_id, None)
+            self._follow_measured(role)
         for worker_id, info in fresh.items():
             if current.get(worker_id) != info:
                 current[worker_id] = info
@@ -285,11 +307,33 @@ class WorkerPool:
                 self._rebuild(role, worker_id)
 
     def _rebuild(self, role: Role, worker_id: str) -> None:
-        self._views[role].put(worker_id, self._view(role, self._infos[role][worker_id]))
+        views = self._views[role]
+        old = views.get(worker_id)
+        views.put(worker_id, self._view(role, self._infos[role][worker_id]))
+        if old is None or old.info.load.prefill_tokens_per_s != (
+            self._infos[role][worker_id].load.prefill_tokens_per_s
+        ):
+            self._follow_measured(role)
+
+    def _follow_measured(self, role: Role) -> None:
+        """After a measured speed came, changed or left: the views that took the role's mean
+        follow it (rare: a worker measures on its first prefill, so once serving, a role
+        seldom has any)."""
+        views = self._views[role]
+        for worker_id in views.unmeasured & self._infos[role].keys():
+            views.put(worker_id, self._view(role, self._infos[role][worker_id]))
 
     def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
         load = info.load
-        tokens_per_s = load.prefill_tokens_per_s or self.default_tokens_per_s
+        # A worker that has not measured its speed yet (it has prefilled nothing) is taken to
+        # be as fast as those of its role that have: the configured default, a guess, made a
+        # fresh worker look slower or faster than its peers, and a fetched prefix on it count
+        # for more than the cached one on a measured holder (PrefillSaved divides by it).
+        tokens_per_s = (
+            load.prefill_tokens_per_s
+            or self._views[role].measured_tokens_per_s()
+            or self.default_tokens_per_s
+        )
         # Corrected on both sides; it prefills only what waits. A decode worker too: the
         # prompts it was given to compute itself are on its prefill side.
         if role in ("aggregated", "decode"):

@@ -254,3 +254,38 @@ def test_the_walked_aggregated_choice_equals_scoring_every_worker(seed):
         assert policies.aggregated.choose(views, probe) == policies.aggregated.choose(
             list(views), probe
         )
+
+
+def test_a_worker_that_has_not_measured_counts_at_its_role_s_measured_speed():
+    pool = WorkerPool(500.0)
+
+    def speed_of_a(*others: tuple[str, float]) -> float:
+        pool.update("prefill", [worker("prefill", "a")]
+                    + [worker("prefill", w, tokens_per_s=s) for w, s in others])  # fmt: skip
+        view = pool.role_views("prefill").get("a")
+        assert view is not None
+        return view.tokens_per_s
+
+    assert speed_of_a() == 500.0  # nobody has measured: the configured default
+    assert speed_of_a(("b", 600.0), ("c", 900.0)) == 750.0
+    assert speed_of_a(("b", 600.0), ("c", 1200.0)) == 900.0  # c's heartbeat: a follows
+    assert speed_of_a(("c", 1200.0)) == 1200.0  # b left
+    assert speed_of_a() == 500.0
+
+
+def test_a_fresh_worker_does_not_outscore_a_measured_holder_of_the_prefix():
+    # The decode worker chosen holds the prompt's 10 blocks; the holder caches 9 of them and
+    # measured 573 tokens/s; the fresh worker would read all 10 from the decode worker (a
+    # fetched token is worth 0.9 of a cached one). At the 500 tokens/s default the fresh one's
+    # 144 token-equivalents counted for more seconds (0.288) than the holder's 158.4 (0.276).
+    prompt = list(range(160))
+    hashes = prompt_block_hashes(prompt + [0], 16)
+    prefixes = PrefixIndex()
+    prefixes.apply("holder", "s-0", CacheUpdate(True, hashes[:9], []))
+    policies = build_policies(RoutingSettings("watermark"), AdmissionSettings(), prefixes)
+    pool = WorkerPool(500.0)
+    pool.update("prefill", [replace(worker("prefill", "fresh"), peer_fetch=True),
+                            replace(worker("prefill", "holder", tokens_per_s=573.0),
+                                    peer_fetch=True)])  # fmt: skip
+    probe = replace(ticket("r", 170), block_hashes=hashes, held_prefix_tokens=160)
+    assert policies.prefill.choose(pool.role_views("prefill"), probe).worker_id == "holder"
