@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -73,9 +72,11 @@ class RoleViews(Sequence[WorkerView]):
         self.free_blocks = 0
         self.total_blocks = 0
         self._num_by_total_blocks: Counter[int] = Counter()
-        # The prefill speeds the workers have measured (speed -> how many), and the ids of those
-        # that have not measured yet, whose views take the mean (WorkerPool._view).
-        self._measured: Counter[float] = Counter()
+        # The prefill speeds the workers have measured, summed in whole milli-tokens/s (an
+        # integer sum is the same whatever order workers came and went in) and counted; and the
+        # ids of those that have not measured yet, whose views take assumed_tokens_per_s.
+        self._measured_milli = 0
+        self._num_measured = 0
         self.unmeasured: set[str] = set()
 
     def get(self, worker_id: str) -> WorkerView | None:
@@ -88,13 +89,14 @@ class RoleViews(Sequence[WorkerView]):
         """Every worker has the same number of KV blocks."""
         return len(self._num_by_total_blocks) == 1
 
-    def measured_tokens_per_s(self) -> float | None:
-        """The mean prefill speed the role's workers have measured (None: none has yet); the
-        same whatever order the workers came and went in (a kept view equals a fresh one)."""
-        if not self._measured:
+    def assumed_tokens_per_s(self) -> float | None:
+        """The speed a worker that has not measured its own is taken to have: the mean its
+        role's workers have measured, to two significant figures (None: none has yet). A
+        guess needs no more, and the views that take it follow it only when it moves that
+        much, a few times while a fleet warms up, not on every heartbeat."""
+        if not self._num_measured:
             return None
-        total = math.fsum(speed * n for speed, n in self._measured.items())
-        return total / sum(self._measured.values())
+        return float(f"{self._measured_milli / self._num_measured / 1000:.2g}")
 
     def all_report_capacity(self) -> bool:
         """Every worker has reported its KV blocks (one with 0 has not yet)."""
@@ -133,9 +135,8 @@ class RoleViews(Sequence[WorkerView]):
         if counts[view.total_blocks] == 0:
             del counts[view.total_blocks]
         if (measured := view.info.load.prefill_tokens_per_s) > 0:
-            self._measured[measured] += sign
-            if self._measured[measured] == 0:
-                del self._measured[measured]
+            self._measured_milli += sign * round(measured * 1000)
+            self._num_measured += sign
         elif sign > 0:
             self.unmeasured.add(view.worker_id)
         else:
@@ -200,8 +201,10 @@ class WorkerPool:
         current, fresh = self._infos[role], {info.worker_id: info for info in infos}
         for worker_id in current.keys() - fresh.keys():
             del current[worker_id]
-            self._views[role].put(worker_id, None)
-            self._follow_measured(role)
+            views = self._views[role]
+            assumed = views.assumed_tokens_per_s()
+            views.put(worker_id, None)
+            self._follow_assumed(role, assumed)
         for worker_id, info in fresh.items():
             if current.get(worker_id) != info:
                 current[worker_id] = info
@@ -308,20 +311,16 @@ class WorkerPool:
 
     def _rebuild(self, role: Role, worker_id: str) -> None:
         views = self._views[role]
-        old = views.get(worker_id)
+        assumed = views.assumed_tokens_per_s()
         views.put(worker_id, self._view(role, self._infos[role][worker_id]))
-        if old is None or old.info.load.prefill_tokens_per_s != (
-            self._infos[role][worker_id].load.prefill_tokens_per_s
-        ):
-            self._follow_measured(role)
+        self._follow_assumed(role, assumed)
 
-    def _follow_measured(self, role: Role) -> None:
-        """After a measured speed came, changed or left: the views that took the role's mean
-        follow it (rare: a worker measures on its first prefill, so once serving, a role
-        seldom has any)."""
+    def _follow_assumed(self, role: Role, before: float | None) -> None:
+        """The views that take the role's assumed speed follow it when it moved."""
         views = self._views[role]
-        for worker_id in views.unmeasured & self._infos[role].keys():
-            views.put(worker_id, self._view(role, self._infos[role][worker_id]))
+        if views.unmeasured and views.assumed_tokens_per_s() != before:
+            for worker_id in views.unmeasured & self._infos[role].keys():
+                views.put(worker_id, self._view(role, self._infos[role][worker_id]))
 
     def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
         load = info.load
@@ -331,7 +330,7 @@ class WorkerPool:
         # for more than the cached one on a measured holder (PrefillSaved divides by it).
         tokens_per_s = (
             load.prefill_tokens_per_s
-            or self._views[role].measured_tokens_per_s()
+            or self._views[role].assumed_tokens_per_s()
             or self.default_tokens_per_s
         )
         # Corrected on both sides; it prefills only what waits. A decode worker too: the
