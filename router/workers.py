@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -201,10 +202,7 @@ class WorkerPool:
         current, fresh = self._infos[role], {info.worker_id: info for info in infos}
         for worker_id in current.keys() - fresh.keys():
             del current[worker_id]
-            views = self._views[role]
-            assumed = views.assumed_tokens_per_s()
-            views.put(worker_id, None)
-            self._follow_assumed(role, assumed)
+            self._put(role, worker_id, None)
         for worker_id, info in fresh.items():
             if current.get(worker_id) != info:
                 current[worker_id] = info
@@ -310,17 +308,20 @@ class WorkerPool:
                 self._rebuild(role, worker_id)
 
     def _rebuild(self, role: Role, worker_id: str) -> None:
-        views = self._views[role]
-        assumed = views.assumed_tokens_per_s()
-        views.put(worker_id, self._view(role, self._infos[role][worker_id]))
-        self._follow_assumed(role, assumed)
+        self._put(role, worker_id, self._view(role, self._infos[role][worker_id]))
 
-    def _follow_assumed(self, role: Role, before: float | None) -> None:
-        """The views that take the role's assumed speed follow it when it moved."""
+    def _put(self, role: Role, worker_id: str, view: WorkerView | None) -> None:
+        """Replaces a worker's view; the views that take the role's assumed speed follow it
+        when that moved. Placement rebuilds a view on every assignment and release, so the
+        speed is read only while some view takes it; when none did before the put (nan: no
+        speed equals it), any that does after it is rebuilt, the one just put among them: its
+        view counted its own measured speed if it had one until now (a restarted worker)."""
         views = self._views[role]
+        before = views.assumed_tokens_per_s() if views.unmeasured else math.nan
+        views.put(worker_id, view)
         if views.unmeasured and views.assumed_tokens_per_s() != before:
-            for worker_id in views.unmeasured & self._infos[role].keys():
-                views.put(worker_id, self._view(role, self._infos[role][worker_id]))
+            for other in tuple(views.unmeasured):  # put() takes each out and back in
+                views.put(other, self._view(role, self._infos[role][other]))
 
     def _view(self, role: Role, info: WorkerInfo) -> WorkerView:
         load = info.load

@@ -289,3 +289,13 @@ def test_a_fresh_worker_does_not_outscore_a_measured_holder_of_the_prefix():
                                     peer_fetch=True)])  # fmt: skip
     probe = replace(ticket("r", 170), block_hashes=hashes, held_prefix_tokens=160)
     assert policies.prefill.choose(pool.role_views("prefill"), probe).worker_id == "holder"
+
+
+def test_a_restarted_worker_alone_unmeasured_leaves_its_old_speed_behind():
+    # The only measured worker restarts and reports no speed: nobody has measured now, so it
+    # counts at the default, not at the mean that still held its own old speed.
+    pool = WorkerPool(500.0)
+    pool.update("prefill", [worker("prefill", "a", tokens_per_s=900.0)])
+    pool.update("prefill", [worker("prefill", "a")])
+    view = pool.role_views("prefill").get("a")
+    assert view is not None and view.tokens_per_s == 500.0
