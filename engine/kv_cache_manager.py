@@ -23,6 +23,8 @@ class PrefixCacheStats:
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0  # from either tier
     num_host_hit_tokens: int = 0  # of those, loaded from the host tier
+    # Held by the host tier but computed: loading them measured slower than computing them.
+    num_host_skipped_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -37,6 +39,9 @@ class KVCacheManager:
         if tier is not None:
             pool.write_back = tier.store  # write-back on eviction: every full cached block
         self.stats = PrefixCacheStats()
+        # The engine's measured prefill seconds a token (0: not measured yet): a tier block is
+        # loaded only while its measured load takes less than computing its tokens would.
+        self.prefill_s_per_token = 0.0
         # In use, but by no request: a remote writer may still be writing into them (its fence
         # timed out), so they must not be handed out until it is known done or dead.
         self.quarantined: set[int] = set()
@@ -71,16 +76,23 @@ class KVCacheManager:
 
     def _load_from_tier(self, block_hash: bytes) -> int | None:
         """A fresh pool block holding the host tier's copy of block_hash, cached under it and
-        referenced once; None when there is no tier, it lacks the block, the load fails, or the
-        pool has no free block (the block is computed instead)."""
-        if self.tier is None or block_hash not in self.tier or not self.pool.num_free_blocks:
-            if self.tier is not None:
-                TIER_LOOKUPS.labels("host", "miss").inc()
+        referenced once; None when there is no tier, it lacks the block, loading a block has
+        measured slower than computing its tokens, the load fails, or the pool has no free
+        block (the block is computed instead)."""
+        tier = self.tier
+        if tier is None:
+            return None
+        if block_hash not in tier or not self.pool.num_free_blocks:
+            TIER_LOOKUPS.labels("host", "miss").inc()
+            return None
+        if tier.load_s_per_block > self.block_size * self.prefill_s_per_token > 0:
+            TIER_LOOKUPS.labels("host", "skipped").inc()
+            self.stats.num_host_skipped_tokens += self.block_size
             return None
         # Allocating may evict a cached block into the tier, and that may push this very block
         # out of a full tier: load() then says it is gone.
         [block_id] = self.pool.allocate(1)
-        if not self.tier.load(block_hash, block_id):
+        if not tier.load(block_hash, block_id):
             TIER_LOOKUPS.labels("host", "miss").inc()
             self.pool.free([block_id])
             return None

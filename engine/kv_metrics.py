@@ -7,7 +7,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 TIER_LOOKUPS = Counter(
     "pdserve_kv_tier_lookups_total",
-    "Prefix blocks looked up, by tier (pool, host) and result (hit, miss)",
+    "Prefix blocks looked up, by tier (pool, host) and result (hit, miss; skipped: held by the "
+    "host tier but computed, as loading measured slower)",
     ["tier", "result"],
 )
 TIER_BYTES = Counter(

@@ -11,6 +11,7 @@ import tempfile
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -133,14 +134,22 @@ def _check_room(capacity_bytes: int, path: str | None) -> None:
 class HostKVTier:
     """Blocks are stored whole, in the pool's own format (int8 KV with its scales included), in
     fixed slots; a hash maps to its slot in LRU order. The tier is inclusive: a block loaded
-    back into the pool keeps its slot, so its next eviction from the pool costs no copy."""
+    back into the pool keeps its slot, so its next eviction from the pool costs no copy.
 
-    def __init__(self, slots: SlotStore, where: str) -> None:
+    Each load is timed on `clock` (the simulator's runs on its modelled copies), and the
+    smoothed seconds a block takes (load_s_per_block) decide whether loading still beats
+    computing (KVCacheManager) and what a hit in this tier is worth to the router."""
+
+    def __init__(
+        self, slots: SlotStore, where: str, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.slots = slots
         self.num_slots, self.block_bytes = slots.num_slots, slots.block_bytes
+        self.clock = clock
         self.hash_to_slot: OrderedDict[bytes, int] = OrderedDict()  # LRU order: oldest first
         self.free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self.stats = TierStats()
+        self.load_s_per_block = 0.0  # 0: no load measured yet
         # Host-tier changes, (stored, hash), taken like the pool's (take_cache_events).
         self.record_events = False
         self._events: list[CacheEvent] = []
@@ -184,13 +193,16 @@ class HostKVTier:
         slot = self.hash_to_slot.get(block_hash)
         if slot is None:
             return False
-        started = time.perf_counter()
+        started = self.clock()
         if not self.slots.read(slot, block_id):
             self.stats.num_failed_loads += 1
             TIER_FAILED_LOADS.inc()
             self._drop(block_hash)
             return False
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
+        # Smoothed like the engine's prefill speed: a disk that slows down is followed.
+        previous = self.load_s_per_block
+        self.load_s_per_block = seconds if previous == 0 else 0.8 * previous + 0.2 * seconds
         self.hash_to_slot.move_to_end(block_hash)
         self.stats.num_loaded_blocks += 1
         self.stats.loaded_bytes += self.block_bytes

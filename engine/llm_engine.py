@@ -42,6 +42,7 @@ class EngineStats:
     num_quarantined_blocks: int
     prefix_hit_rate: float  # prompt tokens served by either KV tier / prompt tokens
     prefill_tokens_per_s: float
+    host_load_s_per_token: float = 0.0  # a token's KV from the host tier (0: none or unmeasured)
 
 
 class LLMEngine:
@@ -328,6 +329,7 @@ class LLMEngine:
             speed = num_prefill / max(seconds, 1e-9)
             rate = self._prefill_tokens_per_s
             self._prefill_tokens_per_s = speed if rate == 0 else 0.8 * rate + 0.2 * speed
+            self.kv.prefill_s_per_token = 1 / self._prefill_tokens_per_s
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -339,6 +341,9 @@ class LLMEngine:
             num_quarantined_blocks=len(self.kv.quarantined),
             prefix_hit_rate=self.kv.stats.hit_rate,
             prefill_tokens_per_s=self._prefill_tokens_per_s,
+            host_load_s_per_token=(
+                self.tier.load_s_per_block / self.config.block_size if self.tier else 0.0
+            ),
         )
 
 

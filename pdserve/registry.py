@@ -30,6 +30,9 @@ class WorkerLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     prefill_tokens_per_s: float = 0.0
+    # Seconds to load one token's KV from the worker's host tier, measured (0: no tier, or no
+    # load yet): what the router's prefix index charges a tier hit.
+    host_load_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

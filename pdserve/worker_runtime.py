@@ -77,6 +77,7 @@ def registry_entry(
             free_blocks=stats.num_free_blocks,
             total_blocks=stats.num_blocks,
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            host_load_s_per_token=stats.host_load_s_per_token,
         ),
         peer_fetch=peer_fetch, max_requests=min((n for n in limits if n > 0), default=0),
     )  # fmt: skip

@@ -1,13 +1,14 @@
 """What each worker's prefix cache holds, followed from the workers' event streams
 (pdserve/kv_events.py): how many leading tokens of a prompt a worker has cached (what the
 prefix scorers weigh), and the overlap of each routing choice (for /admin/workers). A worker's
-cache is its KV pool and its host tier; a block held in the host tier only counts a little less
-than one in the pool."""
+cache is its KV pool and its host tier; a block held in the host tier counts less than one in
+the pool, by what loading it costs."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -32,11 +33,21 @@ _STORED, _EVICTED = metrics.KV_EVENTS.labels("stored"), metrics.KV_EVENTS.labels
 # worker holding the prefix still wins at equal load, and load alone decides between workers
 # that would all read it.
 FETCHED_TOKEN_WORTH = 0.9
-# What a prompt token in a worker's host tier (not its pool) is worth against one in its pool:
-# the worker copies it back before the prefill instead of computing it (~1.7 GB/s on this CPU,
-# ~30 us a token against ~2 ms to compute one), and it takes a free pool block first. A
-# little below 1: at equal load the pool hit wins; any tier hit beats a miss.
+# What a prompt token in a worker's host tier (not its pool) is worth against one in its pool
+# until the worker has measured both its tier's loads and its prefill: the worker copies it
+# back before the prefill instead of computing it, and it takes a free pool block first. Once
+# measured, the worth is the part of computing it that loading saves (host_token_worth).
 HOST_TOKEN_WORTH = 0.95
+
+
+def host_token_worth(worker: WorkerInfo) -> float:
+    """A host-tier token against a pool token: 1 - (seconds to load it) / (seconds to compute
+    it), from the worker's own measurements; HOST_TOKEN_WORTH until it has both. At or below 0,
+    loading is slower than computing and the worker computes the block (KVCacheManager)."""
+    load = worker.load
+    if load.host_load_s_per_token > 0 and load.prefill_tokens_per_s > 0:
+        return 1 - load.host_load_s_per_token * load.prefill_tokens_per_s
+    return HOST_TOKEN_WORTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,22 +208,27 @@ class PrefixIndex:
 
     def overlap_tokens(self, worker: WorkerInfo, ticket: Ticket) -> int:
         """The leading prompt tokens the worker's cache holds, a token in its host tier only
-        counted HOST_TOKEN_WORTH of one in its pool, rounded to whole tokens (the router's
-        token accounting is in whole tokens; a host block's 15.2 rounds below a pool block's
-        16 at every length)."""
+        counted host_token_worth of one in its pool. The router counts whole tokens: the host
+        tier's share is rounded down, and kept a token below the pool's, so a tier hit always
+        scores below the same hit in the pool. Where loading measured slower than computing, the
+        worker computes from its first host-tier block on, and so the count stops there."""
         if worker.block_size != ticket.block_size:
             return 0
         pool = self.pool.cached.get(worker.worker_id, set())
         host = self.host.cached.get(worker.worker_id, set())
+        worth = host_token_worth(worker) if host else 0.0
         num_pool = num_host = 0
         for block_hash in ticket.block_hashes:
             if block_hash in pool:
                 num_pool += 1
-            elif block_hash in host:
+            elif block_hash in host and worth > 0:
                 num_host += 1
             else:
                 break
-        return round((num_pool + HOST_TOKEN_WORTH * num_host) * ticket.block_size)
+        host_tokens = num_host * ticket.block_size
+        if host_tokens:  # rounded down, and a token below the pool's at the least
+            host_tokens = min(math.floor(host_tokens * worth), host_tokens - 1)
+        return num_pool * ticket.block_size + host_tokens
 
     def prefill_prefix(self, worker: WorkerInfo, ticket: Ticket) -> tuple[int, int]:
         """Prompt tokens a prefill worker need not compute: (its own cached prefix, the part

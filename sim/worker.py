@@ -167,19 +167,29 @@ class CoreShare:
 class ModelledSlots:
     """The host KV tier's slots in the simulator (engine/kv_tier.py's SlotStore): the tier's
     own code decides what is stored, loaded and dropped; the slots hold no bytes and count the
-    ones each copy would move, for the next step to take their time."""
+    ones each copy would move, for the next step to take their time. The tier times its loads
+    on copied_s, the modelled time of every copy so far."""
 
-    def __init__(self, num_slots: int, block_bytes: int) -> None:
+    def __init__(self, num_slots: int, block_bytes: int, bytes_per_s: float) -> None:
         self.num_slots, self.block_bytes = num_slots, block_bytes
+        self.bytes_per_s = bytes_per_s
         self.num_pending_bytes = 0  # copied since the last step
+        self.num_copied_bytes = 0  # copied in all
 
     def write(self, slot: int, block_id: int) -> bool:
-        self.num_pending_bytes += self.block_bytes
+        self._copy()
         return True
 
     def read(self, slot: int, block_id: int) -> bool:
-        self.num_pending_bytes += self.block_bytes
+        self._copy()
         return True
+
+    def _copy(self) -> None:
+        self.num_pending_bytes += self.block_bytes
+        self.num_copied_bytes += self.block_bytes
+
+    def copied_s(self) -> float:
+        return self.num_copied_bytes / self.bytes_per_s
 
     def take_pending_bytes(self) -> int:
         """The bytes copied since the last call."""
@@ -208,8 +218,10 @@ class CostModelRunner:
         """ModelRunner.host_tier: the same tier, over slots that model the copies. path (a
         file on disk) is not modelled apart: the copies take host memory's time."""
         block_bytes = self.cost.kv_bytes_per_token * self.block_size
-        self.tier_slots = ModelledSlots(num_slots_for(capacity_bytes, block_bytes), block_bytes)
-        return HostKVTier(self.tier_slots, "the simulator")
+        slots = ModelledSlots(num_slots_for(capacity_bytes, block_bytes), block_bytes,
+                              self.cost.host_copy_bytes_per_s)  # fmt: skip
+        self.tier_slots = slots
+        return HostKVTier(slots, "the simulator", clock=slots.copied_s)
 
     def execute(self, batch: Sequence[ScheduledRequest]) -> dict[str, int]:
         shape = StepShape.of(batch)

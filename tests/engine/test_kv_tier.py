@@ -1,7 +1,7 @@
 """The host KV tier under the block pool: a prefix the pool evicted is loaded back from it and
 gives the same tokens as a pool hit and a miss; both tiers stay whole and every byte comes back
-as it went; a full tier drops its least recently used block; a damaged tier file is refused and
-the prefix computed instead."""
+as it went; a full tier drops its least recently used block; a damaged tier file, or one whose
+loads measure slower than computing, is passed over and the prefix computed instead."""
 
 from __future__ import annotations
 
@@ -70,6 +70,28 @@ def test_a_tier_hit_gives_the_tokens_of_a_pool_hit_and_a_miss(tiered):
     assert engine.kv.stats.num_host_hit_tokens - host_hit_before == num_full * BLOCK_SIZE
     assert tier_hit.token_ids == pool_hit.token_ids == miss.token_ids
     assert_idle_and_whole(tiered)
+
+
+def test_a_tier_that_loads_slower_than_computing_is_computed_instead():
+    """Once a block's load has measured slower than computing its tokens, the prefix past the
+    pool is computed: the walk stops at the first such block, and the tokens are the same."""
+    llm = LLM(num_threads=2, device="cpu", num_blocks=24, quantization="none",
+              kv_offload_gb=NUM_SLOTS * BLOCK_BYTES / 2**30)  # fmt: skip
+    engine = llm.engine
+    reference = llm.generate([PROMPT], GREEDY)[0]  # its prompt step measures the prefill speed
+    assert 0 < BLOCK_SIZE * engine.kv.prefill_s_per_token < 1.0
+    ticks = iter(range(100))
+    engine.tier.clock = lambda: float(next(ticks))  # every load now takes a second
+    evict_pool(llm)
+
+    served = llm.generate([PROMPT], GREEDY)[0]
+    assert served.num_cached_tokens == BLOCK_SIZE  # the first block, whose load measured it
+    assert engine.tier.load_s_per_block == 1.0
+    assert engine.tier.stats.num_loaded_blocks == 1
+    assert engine.kv.stats.num_host_skipped_tokens == BLOCK_SIZE  # the second; the walk stops
+    assert engine.stats().host_load_s_per_token == 1.0 / BLOCK_SIZE
+    assert served.token_ids == reference.token_ids
+    assert_idle_and_whole(llm)
 
 
 def block_bytes_for(block_hash: bytes) -> torch.Tensor:

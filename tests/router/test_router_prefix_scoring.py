@@ -138,6 +138,27 @@ def test_a_host_tier_hit_scores_below_a_pool_hit_and_above_a_miss():
     assert index.overlap_tokens(workers["host"], prompt_ticket()) == 0
 
 
+HOST_WORTH_CASES = [
+    # (host tier's load seconds a token, prefill tokens/s, overlap of 10 pool + 10 host blocks):
+    pytest.param(0.0, 500, 160 + 152, id="unmeasured-tier-counts-0.95"),
+    pytest.param(2e-4, 0, 160 + 152, id="unmeasured-prefill-counts-0.95"),
+    pytest.param(2e-4, 500, 160 + 144, id="load-costs-a-tenth-of-compute"),
+    pytest.param(1e-9, 500, 160 + 159, id="a-free-load-still-a-token-below-the-pool"),
+    pytest.param(4e-3, 500, 160, id="load-slower-than-compute-counts-from-the-pool-only"),
+]
+
+
+@pytest.mark.parametrize("load_s_per_token, tokens_per_s, expected", HOST_WORTH_CASES)
+def test_a_host_tier_token_is_worth_what_its_measured_load_saves(
+    load_s_per_token, tokens_per_s, expected
+):
+    index = PrefixIndex()
+    index.apply("w", "1-0", CacheUpdate(True, HASHES[:10], host_stored=HASHES[10:20]))
+    measured = with_load(worker("prefill", "w", tokens_per_s=tokens_per_s),
+                         host_load_s_per_token=load_s_per_token)  # fmt: skip
+    assert index.overlap_tokens(measured, prompt_ticket()) == expected
+
+
 def test_worker_bits_go_lowest_free_first_and_read_back_as_ids():
     bits = _WorkerBits()
     assert [bits.bit(w) for w in ("a", "b", "c", "a")] == [0b1, 0b10, 0b100, 0b1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig
+from pdserve.worker_runtime import registry_entry
 from router.settings import AdmissionSettings, RoutingSettings
 from sim.cluster import ClusterConfig
 from sim.scenario import Result, Scenario, simulate
@@ -45,6 +46,13 @@ def test_a_prefix_evicted_to_the_tier_is_loaded_back_in_modelled_time(cost: Line
     # that held one of B's 9 full blocks, or the one B left partly filled) and took 2 more.
     assert (engine.tier.stats.num_stored_blocks, engine.tier.stats.num_loaded_blocks) == (9, 4)
     assert engine.kv.stats.num_host_hit_tokens == 64
+    # Each load was timed on the modelled copies (a 65,536 B block at 65.5 MB/s), and that is
+    # what the worker's registry entry tells the routers a token costs to load.
+    assert engine.tier.load_s_per_block == pytest.approx(0.001)
+    entry = registry_entry(engine, engine.stats(), role="aggregated", worker_id="a0",
+                           address="sim://a0", metrics_url="", kv_backend="sim",
+                           peer_fetch=False)  # fmt: skip
+    assert entry.load.host_load_s_per_token == pytest.approx(0.001 / 16)
     # What every router's prefix index says the worker's host tier holds is what it holds.
     index = result.routers[0].prefixes
     assert index.host_cached_hashes("a0") == frozenset(engine.tier.hash_to_slot)
