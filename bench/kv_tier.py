@@ -14,7 +14,7 @@ both alike and neither's times count the other's steps.
 
 Per mode: prompt tokens, prefill tokens computed (prompt minus prefix hits), of the hits those
 loaded from the host tier, the oracle (prefill tokens if nothing were ever evicted: the bound
-for any tier), TTFT p50/p99 (enqueue to first token, on the mode's clock), turns/s, the time
+for any tier), those the tier held but the engine computed (its loads measured slower), TTFT p50/p99 (enqueue to first token, on the mode's clock), turns/s, the time
 of its steps (busy_s) and of those among them that carried a prompt chunk (prefill_step_s: the
 share a tier can shrink; decode-only steps it cannot), and the tier's own counts (bytes each
 way, load seconds). The last line of stdout is JSON with the ratios tier /
@@ -117,11 +117,13 @@ class Mode:
         self.engine = LLMEngine(config, clock=self.clock)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                      ignore_eos=True)  # fmt: skip
-        # First-run costs (not measured): one prompt the workload never shares.
+        # First-run costs (not counted): one prompt the workload never shares. Its steps run on
+        # the clock like any other, so the prefill speed the engine measures from them (which
+        # decides whether a tier load beats computing) is real.
         self.engine.add_request("warm-up", [7] * (args.system_tokens + args.user_tokens),
                                 self.params)  # fmt: skip
         while self.engine.has_unfinished_requests():
-            self.engine.step()
+            self.timed_step()
         self.engine.kv.reset_cache()
         self.busy_s = 0.0
         self.prefill_step_s = 0.0  # of busy_s, steps that carried a prompt chunk
@@ -134,6 +136,15 @@ class Mode:
     def clock(self) -> float:
         started = self._step_started
         return self.busy_s + (time.monotonic() - started if started is not None else 0.0)
+
+    def timed_step(self) -> float:
+        """One engine step, its time added to the clock; returns it."""
+        self._step_started = time.monotonic()
+        self.engine.step()
+        step_s = time.monotonic() - self._step_started
+        self._step_started = None
+        self.busy_s += step_s
+        return step_s
 
     def start_round(self, turn: int) -> None:
         """Every conversation's turn `turn` is next, --concurrency in flight at once."""
@@ -152,11 +163,7 @@ class Mode:
                 f"c{c}-t{self.turn}", list(self.history[c]), self.params
             )
         prefills = any(r.num_output_tokens == 0 for r in self.in_flight.values())
-        self._step_started = time.monotonic()
-        self.engine.step()
-        step_s = time.monotonic() - self._step_started
-        self._step_started = None
-        self.busy_s += step_s
+        step_s = self.timed_step()
         self.prefill_step_s += step_s if prefills else 0.0
         for c, request in list(self.in_flight.items()):
             if request.is_finished:
@@ -177,6 +184,7 @@ class Mode:
             "prefill_tokens": num_prompt - num_cached,
             "oracle_prefill_tokens": oracle_prefill_tokens(done, self.args),
             "host_hit_tokens": engine.kv.stats.num_host_hit_tokens,
+            "host_skipped_tokens": engine.kv.stats.num_host_skipped_tokens,
             "preemptions": sum(r.num_preemptions for r in done),
             "ttft_p50_s": round(percentile(ttfts, 50), 4),
             "ttft_p99_s": round(percentile(ttfts, 99), 4),
