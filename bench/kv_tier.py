@@ -14,13 +14,14 @@ both alike and neither's times count the other's steps.
 
 Per mode: prompt tokens, prefill tokens computed (prompt minus prefix hits), of the hits those
 loaded from the host tier, the oracle (prefill tokens if nothing were ever evicted: the bound
-for any tier), those the tier held but the engine computed (its loads measured slower), TTFT p50/p99 (enqueue to first token, on the mode's clock), turns/s, the time
-of its steps (busy_s) and of those among them that carried a prompt chunk (prefill_step_s: the
-share a tier can shrink; decode-only steps it cannot), and the tier's own counts (bytes each
-way, load seconds). The last line of stdout is JSON with the ratios tier /
-no tier: prefill_tokens_ratio, ttft_p50_ratio, throughput_ratio, each with its target, and
-oracle_prefill_tokens_ratio. Run from the repository root: python -m bench.kv_tier [--quick].
-The full workload (128 conversations, a pool of 16) takes about an hour on 2 shared cores;
+for any tier), those the tier held but the engine computed (its loads measured slower), TTFT
+p50/p99 (enqueue to first token, on the mode's clock), turns/s, the time of its steps (busy_s)
+and of those among them that carried a prompt chunk (prefill_step_s: the share a tier can
+shrink; decode-only steps it cannot), and the tier's own counts (bytes each way, load seconds).
+The last line of stdout is JSON with the ratios tier / no tier: prefill_tokens_ratio,
+ttft_p50_ratio, throughput_ratio, each with its target, and oracle_prefill_tokens_ratio. Run
+from the repository root: python -m bench.kv_tier [--quick]. The full workload (128
+conversations, a pool of 16) takes 5-6 minutes on a 2-core AVX-512 host;
 --quick (32, a pool of 4: the same 8x) about a quarter of that.
 """
 
