@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal
 
 import redis
@@ -61,9 +61,17 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WorkerInfo:
+        """An entry of any version, as routers and workers mix during a rolling upgrade: a
+        field this version lacks (a newer worker's) is ignored, and one the entry lacks (an
+        older worker's) takes its default."""
         data = json.loads(raw)
-        data["load"] = WorkerLoad(**data["load"])
-        return cls(**data)
+        data["load"] = WorkerLoad(**_known_fields(WorkerLoad, data.get("load", {})))
+        return cls(**_known_fields(cls, data))
+
+
+def _known_fields(cls: type, data: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {name: value for name, value in data.items() if name in names}
 
 
 def worker_key(role: str, worker_id: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -37,6 +38,19 @@ def test_workers_are_listed_by_role_with_their_load(registry):
     for role, worker_id in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1")):
         registry.remove(role, worker_id)
     assert registry.workers("prefill") == []
+
+
+def test_entries_of_older_and_newer_workers_read_alike(registry):
+    """Mid-upgrade, a router reads entries written by other versions: a field it does not know
+    is ignored, a field the entry lacks takes its default."""
+    entry = json.loads(info("prefill", "p1", queued_tokens=300).to_json())
+    newer = {**entry, "numa_node": 1, "load": {**entry["load"], "queued_images": 4}}
+    older = {**entry, "load": {"queued_tokens": 300, "total_blocks": 64}}
+    del older["peer_fetch"], older["max_requests"]
+    for raw in (newer, older):
+        registry.redis.set("pdserve:workers:prefill:p1", json.dumps(raw), px=30_000)
+        assert registry.workers("prefill") == [info("prefill", "p1", queued_tokens=300)]
+    registry.remove("prefill", "p1")
 
 
 def test_an_entry_expires_without_heartbeats(registry):
