@@ -177,10 +177,12 @@ def read_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gather_kv(
     layer_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns one request's first num_tokens K and V: [num_tokens, num_kv_heads, head_dim]."""
-    blocks = layer_cache[block_table]  # [nb, 2, bs, Hkv, D] (D + 2 bytes when int8)
-    k = blocks[:, 0].flatten(0, 1)[:num_tokens]
-    v = blocks[:, 1].flatten(0, 1)[:num_tokens]
+    """Returns one request's first num_tokens K and V: [num_tokens, num_kv_heads, head_dim].
+    K and V are gathered apart, each in one copy that comes out with its blocks' tokens
+    consecutive (gathering whole blocks, then splitting K from V, copied everything twice)."""
+    # [nb, bs, Hkv, D] (D + 2 bytes when int8), contiguous: flatten is a view.
+    k = layer_cache[:, 0][block_table].flatten(0, 1)[:num_tokens]
+    v = layer_cache[:, 1][block_table].flatten(0, 1)[:num_tokens]
     return read_kv(k, dtype), read_kv(v, dtype)
 
 
