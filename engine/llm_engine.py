@@ -42,7 +42,7 @@ class EngineStats:
     num_quarantined_blocks: int
     prefix_hit_rate: float  # prompt tokens served by either KV tier / prompt tokens
     prefill_tokens_per_s: float
-    host_load_s_per_token: float = 0.0  # a token's KV from the host tier (0: none or unmeasured)
+    host_load_s_per_token: float  # a token's KV from the host tier (0: none or unmeasured)
 
 
 class LLMEngine:
