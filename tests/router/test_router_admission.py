@@ -110,6 +110,52 @@ def test_tokens_ahead_is_counted_again_once_the_queue_changes():
     assert queue.tokens_ahead(probe) == 0
 
 
+def test_a_request_pushed_again_goes_back_to_its_place_by_arrival():
+    """A retry keeps its ticket's arrival: later arrivals of its bucket do not overtake it,
+    so its aging bound holds."""
+    queue = AdmissionQueue(FIFO)
+    for name, arrival_s in (("B", 1.0), ("C", 2.0), ("A", 0.5)):  # A: a retry, arrived first
+        queue.push(ticket(name, 100 * (ord(name) - 64), arrival_s=arrival_s))
+    assert queue.tokens_ahead(ticket("P", 10, arrival_s=1.5)) == 300  # A and B
+    assert [queue.pop().request_id for _ in range(3)] == ["A", "B", "C"]
+
+
+def test_tokens_ahead_and_the_order_match_a_scan_of_the_queue_through_any_changes():
+    """Random pushes (some arriving out of order), pops and removals: the order served and
+    every answer of tokens_ahead equal a plain scan of what is queued."""
+    import random
+
+    rng = random.Random(7)
+    queue = AdmissionQueue(LENGTH_AWARE)
+    queued: dict[str, tuple[tuple[float, float, int, int], object]] = {}
+    served: list[str] = []
+    for step in range(600):
+        action = rng.random()
+        if action < 0.5 or not queued:
+            arrival_s = step * 0.1 - (rng.random() * 30 if rng.random() < 0.1 else 0.0)
+            t = ticket(f"r{step}", rng.choice([50, 700, 3000]), arrival_s=arrival_s)
+            bucket_index = ["short", "medium", "long"].index(t.bucket)
+            order = (arrival_s + LENGTH_AWARE[t.bucket], arrival_s, bucket_index, step)
+            queue.push(t)
+            queued[t.request_id] = (order, t)
+        elif action < 0.75:
+            expected = min(queued, key=lambda r: queued[r][0])
+            popped = queue.pop()
+            served.append(popped.request_id)
+            assert popped.request_id == expected
+            del queued[expected]
+        else:
+            _, t = queued.pop(rng.choice(sorted(queued)))
+            assert queue.remove(t) and not queue.remove(t)
+        probe_order, probe = queued[rng.choice(sorted(queued))] if queued else (None, None)
+        if probe is not None:
+            ahead = sum(t.num_prompt_tokens for o, t in queued.values() if o < probe_order)
+            assert queue.tokens_ahead(probe) == ahead
+        assert queue.num_prompt_tokens == sum(t.num_prompt_tokens for _, t in queued.values())
+        assert len(queue) == len(queued)
+    assert len(served) > 100
+
+
 # ---- the controller -------------------------------------------------------------------------
 def admission(*infos, clock=None, **settings) -> Admission:
     admission_settings = AdmissionSettings(**settings)
