@@ -15,9 +15,10 @@ both alike and neither's times count the other's steps.
 Per mode: prompt tokens, prefill tokens computed (prompt minus prefix hits), of the hits those
 loaded from the host tier, the oracle (prefill tokens if nothing were ever evicted: the bound
 for any tier), those the tier held but the engine computed (its loads measured slower), TTFT
-p50/p99 (enqueue to first token, on the mode's clock), turns/s, the time of its steps (busy_s)
-and of those among them that carried a prompt chunk (prefill_step_s: the share a tier can
-shrink; decode-only steps it cannot), and the tier's own counts (bytes each way, load seconds).
+p50/p99 (enqueue to first token, on the mode's clock) and its p50 per round, turns/s, the time
+of its steps (busy_s) and of those among them that carried a prompt chunk (prefill_step_s: the
+share a tier can shrink; decode-only steps it cannot), and the tier's own counts (bytes each
+way, load seconds).
 The last line of stdout is JSON with the ratios tier / no tier: prefill_tokens_ratio,
 ttft_p50_ratio, throughput_ratio, each with its target, and oracle_prefill_tokens_ratio. Run
 from the repository root: python -m bench.kv_tier [--quick]. The full workload (128
@@ -189,6 +190,7 @@ class Mode:
             "preemptions": sum(r.num_preemptions for r in done),
             "ttft_p50_s": round(percentile(ttfts, 50), 4),
             "ttft_p99_s": round(percentile(ttfts, 99), 4),
+            "ttft_p50_s_by_turn": ttft_p50_by_turn(done),
             "turns_per_s": round(len(done) / self.busy_s, 4),
         }  # fmt: skip
         if engine.tier is not None:
@@ -202,6 +204,17 @@ class Mode:
                 "tier_evicted_blocks": stats.num_evicted_blocks,
             }
         return summary
+
+
+def ttft_p50_by_turn(done: list[Request]) -> list[float]:
+    """TTFT p50 of each round. A round's turns that arrive together are prefilled together
+    while their chunks fit one step, each waiting for the whole step; turns whose prompts
+    need more steps drift apart and later arrive one by one between other turns' decodes."""
+    by_turn: dict[int, list[float]] = {}
+    for r in done:
+        turn = int(r.request_id.split("-t")[1])
+        by_turn.setdefault(turn, []).append(r.first_token_time_s - r.arrival_time_s)
+    return [round(percentile(by_turn[t], 50), 4) for t in sorted(by_turn)]
 
 
 def oracle_prefill_tokens(done: list[Request], args: argparse.Namespace) -> int:
