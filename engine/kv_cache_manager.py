@@ -55,24 +55,31 @@ class KVCacheManager:
         assert not request.block_ids, "prefix matching is for a request without blocks"
         self._hash_full_blocks(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        request.block_ids = self._claim(request.block_hashes[:max_hit_blocks])
+        num_hit_tokens = len(request.block_ids) * self.block_size
+        self.stats.num_queried_tokens += request.num_tokens
+        self.stats.num_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def claim_prefix(self, prompt_token_ids: list[int]) -> list[int]:
+        """The blocks a prefix match of this prompt would hit, a reference taken on each (the
+        host tier's loaded back into the pool, as a match loads them); release drops them."""
+        return self._claim(prompt_block_hashes(prompt_token_ids, self.block_size))
+
+    def _claim(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """The leading blocks cached in the pool or, past it, the host tier, referenced."""
         hit_ids: list[int] = []
-        num_host_hits = 0
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
             TIER_LOOKUPS.labels("pool", "miss" if block_id is None else "hit").inc()
             if block_id is not None:
                 self.pool.touch([block_id])  # at once: loads below must not evict it
             elif (block_id := self._load_from_tier(block_hash)) is not None:
-                num_host_hits += 1
+                self.stats.num_host_hit_tokens += self.block_size
             else:
                 break
             hit_ids.append(block_id)
-        request.block_ids = hit_ids
-        num_hit_tokens = len(hit_ids) * self.block_size
-        self.stats.num_queried_tokens += request.num_tokens
-        self.stats.num_hit_tokens += num_hit_tokens
-        self.stats.num_host_hit_tokens += num_host_hits * self.block_size
-        return num_hit_tokens
+        return hit_ids
 
     def _load_from_tier(self, block_hash: bytes) -> int | None:
         """A fresh pool block holding the host tier's copy of block_hash, cached under it and
@@ -164,21 +171,16 @@ class KVCacheManager:
         self.pool.touch(block_ids)
 
     def release(self, block_ids: Iterable[int]) -> None:
-        """Drops one reference each, taken by hold or reserve_prefix_fetch."""
+        """Drops one reference each, taken by hold, claim_prefix or reserve_prefix_fetch."""
         self.pool.free(block_ids)
 
-    def reserve_prefix_fetch(
-        self, own_block_ids: list[int], num_blocks: int, max_used_blocks: int
-    ) -> list[int] | None:
-        """Takes a reference on our cached prefix (own_block_ids) and allocates num_blocks for
-        the blocks a peer holds past it; None (and nothing taken) when that would leave more
-        than max_used_blocks in use."""
-        self.pool.touch(own_block_ids)  # first: a cached-free hit must not be evicted below
+    def reserve_prefix_fetch(self, num_blocks: int, max_used_blocks: int) -> list[int] | None:
+        """Allocates num_blocks for the blocks a peer holds past our claimed prefix
+        (claim_prefix); None when that would leave more than max_used_blocks in use."""
         if (
             num_blocks > self.pool.num_free_blocks
             or self.pool.num_used_blocks + num_blocks > max_used_blocks
         ):
-            self.pool.free(reversed(own_block_ids))
             return None
         return self.pool.allocate(num_blocks)
 

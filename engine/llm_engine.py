@@ -235,14 +235,13 @@ class LLMEngine:
         return self._append_token(request, first_token_id)
 
     # ---- prefix fetch (the prefill worker's side of cross-worker prefix reuse) --------------
-    def reserve_prefix_fetch(self, own_block_ids: list[int], num_blocks: int) -> list[int] | None:
-        """A peer holds more of a prompt than our cache (own_block_ids, kv.cached_prefix):
-        takes a reference on those and allocates num_blocks for the next ones, None past the
-        watermark. The caller fills them from the peer, registers them (kv.cache_prompt_blocks)
-        and releases both lists (kv.release) once the request has ended: held until then, they
-        are the hits its prefix match finds."""
-        limit = self.scheduler.watermark_limit()
-        return self.kv.reserve_prefix_fetch(own_block_ids, num_blocks, limit)
+    def reserve_prefix_fetch(self, num_blocks: int) -> list[int] | None:
+        """A peer holds more of a prompt than our cache (claimed: kv.claim_prefix): allocates
+        num_blocks for the next ones, None past the watermark. The caller fills them from the
+        peer, registers them (kv.cache_prompt_blocks) and releases them and the claimed ones
+        (kv.release) once the request has ended: held until then, they are the hits its
+        prefix match finds."""
+        return self.kv.reserve_prefix_fetch(num_blocks, self.scheduler.watermark_limit())
 
     # ---- the step ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

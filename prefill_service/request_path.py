@@ -98,15 +98,18 @@ def plan_prefix_fetch(
     prefill_tokens_per_s: float,
 ) -> FetchPlan | None:
     """Engine thread: what to read of the num_held_blocks prompt blocks the decode worker
-    holds, past our own prefix hits; None when it holds nothing more than we do."""
-    own_ids = engine.kv.cached_prefix(prompt)
+    holds, past our own prefix hits (our host tier's among them: loading them here is a
+    memory copy, reading them a network transfer); None when it holds nothing more."""
+    own_ids = engine.kv.claim_prefix(prompt)
     num_blocks = num_held_blocks - len(own_ids)
-    if num_blocks <= 0:
-        return None
     num_tokens = num_blocks * engine.kv.block_size
-    if costs.transfer_s(num_tokens) >= costs.compute_s(num_tokens, prefill_tokens_per_s):
-        return FetchPlan(refused="slower")
-    dst_ids = engine.reserve_prefix_fetch(own_ids, num_blocks)
-    if dst_ids is None:
-        return FetchPlan(refused="no_room")
-    return FetchPlan(own_ids, dst_ids)
+    plan: FetchPlan | None = None
+    if num_blocks > 0:
+        if costs.transfer_s(num_tokens) >= costs.compute_s(num_tokens, prefill_tokens_per_s):
+            plan = FetchPlan(refused="slower")
+        elif (dst_ids := engine.reserve_prefix_fetch(num_blocks)) is None:
+            plan = FetchPlan(refused="no_room")
+        else:
+            return FetchPlan(own_ids, dst_ids)
+    engine.kv.release(own_ids)  # still cached: the request's own prefix match finds them
+    return plan

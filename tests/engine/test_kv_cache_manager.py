@@ -66,9 +66,10 @@ def test_held_blocks_outlive_their_request_until_released():
 def test_a_prefix_fetch_holds_our_hits_and_allocates_the_blocks_past_them():
     kv = manager(8)
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks end before the last token
-    own_ids = [cache_first_block(kv, prompt)]
+    cache_first_block(kv, prompt)
+    own_ids = kv.claim_prefix(prompt)
     assert kv.cached_prefix(prompt) == own_ids == [0]
-    assert kv.reserve_prefix_fetch(own_ids, 2, max_used_blocks=3) == [1, 2]
+    assert kv.reserve_prefix_fetch(2, max_used_blocks=3) == [1, 2]
     assert ref_counts(kv) == [1, 1, 1, 0, 0, 0, 0, 0]
     kv.release(own_ids + [1, 2])
     assert kv.pool.num_free_blocks == 8
@@ -82,10 +83,12 @@ def test_a_prefix_fetch_holds_our_hits_and_allocates_the_blocks_past_them():
 def test_a_prefix_fetch_that_does_not_fit_takes_nothing(num_blocks, max_used_blocks):
     kv = manager(4)
     prompt = list(range(100, 114))
-    own_ids = [cache_first_block(kv, prompt)]
-    assert kv.reserve_prefix_fetch(own_ids, num_blocks, max_used_blocks) is None
-    assert ref_counts(kv) == [0, 0, 0, 0]
-    assert kv.cached_prefix(prompt) == [0]  # still cached: not evicted to make room
+    cache_first_block(kv, prompt)
+    own_ids = kv.claim_prefix(prompt)  # referenced first: not evicted to make room
+    assert kv.reserve_prefix_fetch(num_blocks, max_used_blocks) is None
+    assert ref_counts(kv) == [1, 0, 0, 0]
+    kv.release(own_ids)
+    assert kv.cached_prefix(prompt) == [0]
     kv.check_integrity()
 
 

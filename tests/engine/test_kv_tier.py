@@ -217,6 +217,35 @@ def test_a_remote_prefill_reservation_takes_its_prefix_from_the_tier(tiered):
     assert_idle_and_whole(tiered)
 
 
+def test_a_prefill_worker_loads_from_its_own_tier_what_it_would_have_read_from_a_peer(tiered):
+    """The prefill worker's side of a prefix fetch: blocks its own tier holds count as its
+    hits (a memory copy, not a transfer), so a peer holding no more is not read at all, and a
+    peer holding more is read only past them."""
+    from prefill_service.request_path import FetchCosts, plan_prefix_fetch
+
+    engine = tiered.engine
+    engine.kv.reset_cache()
+    reference = tiered.generate([PROMPT], GREEDY)[0]
+    prompt = reference.prompt_token_ids
+    fast = FetchCosts(kv_bytes_per_token=4096, kv_bytes_per_s=1e12)
+    evict_pool(tiered)
+    host_hit_before = engine.kv.stats.num_host_hit_tokens
+    assert plan_prefix_fetch(engine, prompt, 7, fast, prefill_tokens_per_s=100.0) is None
+    assert engine.kv.stats.num_host_hit_tokens - host_hit_before == 7 * BLOCK_SIZE
+    assert len(engine.kv.cached_prefix(prompt)) == 7  # back in the pool, no reference held
+    assert_idle_and_whole(tiered)
+    # Its first 4 blocks only, in the tier: a peer holding all 7 is read for the last 3.
+    engine.kv.reset_cache()
+    tiered.generate([prompt[: 4 * BLOCK_SIZE + 1]], GREEDY)
+    evict_pool(tiered)
+    plan = plan_prefix_fetch(engine, prompt, 7, fast, prefill_tokens_per_s=100.0)
+    assert plan is not None and (len(plan.own_ids), len(plan.dst_ids)) == (4, 3)
+    engine.kv.release(plan.own_ids + plan.dst_ids)  # as the request's end does
+    served = tiered.generate([PROMPT], GREEDY)[0]
+    assert (served.num_cached_tokens, served.token_ids) == (4 * BLOCK_SIZE, reference.token_ids)
+    assert_idle_and_whole(tiered)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
