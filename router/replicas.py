@@ -229,12 +229,8 @@ class ReplicaSync:
 
     async def _publish_loop(self) -> None:
         while True:
-            # Idle: the full state, as a heartbeat. asyncio.timeout, not wait_for: on Python
-            # 3.11 wait_for returns instead of raising when the router's cancellation meets
-            # the event being set, and the loop went on publishing after its router stopped.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.ttl_s / 3):
-                    await self._changed.wait()
+            with contextlib.suppress(TimeoutError):  # idle: the full state, as a heartbeat
+                await asyncio.wait_for(self._changed.wait(), timeout=self.ttl_s / 3)
             self._changed.clear()
             full = self.clock() >= self._full_due
             if full:
