@@ -8,10 +8,7 @@ message) as a Redis PUBLISH, pushed to the peers at once. A message is a delta (
 assignments that started or ended since the last one) or, every `ttl_s / 3`, the full state
 (every assignment it keeps), which also goes to a key with a TTL that a router starting later
 reads first. Messages are numbered: a peer that misses one ignores that router's deltas until
-its next full state, so a lost message costs at most one full-state period of staleness.
-Alone, a router publishes only its full state (no one reads a delta: a publish and the
-dispatch after it on every change were most of a lone router's Redis traffic), and the first
-message after it hears of a new peer is its full state, whatever the newcomer read first. A
+its next full state, so a lost message costs at most one full-state period of staleness. A
 peer not heard from for `ttl_s` is gone (killed, or cut from Redis): its assignments are
 forgotten, and the workers' heartbeats carry what remains of its work.
 
@@ -130,7 +127,6 @@ class ReplicaSync:
         # hold()'s waiters: (the number of the message that tells of their placement, future)
         self._held: list[tuple[int, asyncio.Future[None]]] = []
         self._changed = asyncio.Event()
-        self._full_due = 0.0  # clock time of the next full state (0: at once)
         self._client: redis.asyncio.Redis | None = None  # run()'s; the simulator needs none
 
     def key(self) -> str:
@@ -139,8 +135,7 @@ class ReplicaSync:
     def changed(self, side: str, assignment: Assignment) -> None:
         """This router's assignment started or ended: tell the peers (soon, batched)."""
         self._pending[side][assignment.serial] = assignment
-        if self.heard_at:  # alone, no one reads a delta: the changes wait for the full state
-            self._changed.set()
+        self._changed.set()
 
     def message(self, full: bool) -> tuple[str, set[str]]:
         """The next message to publish (the changes since the last one, or the full state),
@@ -198,9 +193,6 @@ class ReplicaSync:
         peer = message.peer
         if peer == self.router_id:
             return
-        if peer not in self.heard_at:  # it may have read an older full state of this router
-            self._full_due = 0.0
-            self._changed.set()
         self.heard_at[peer] = self.clock()
         last = self._peer_seq.get(peer)
         if message.full:
@@ -228,13 +220,14 @@ class ReplicaSync:
             await self._client.aclose()
 
     async def _publish_loop(self) -> None:
+        full_due = 0.0
         while True:
             with contextlib.suppress(TimeoutError):  # idle: the full state, as a heartbeat
                 await asyncio.wait_for(self._changed.wait(), timeout=self.ttl_s / 3)
             self._changed.clear()
-            full = self.clock() >= self._full_due
+            full = self.clock() >= full_due
             if full:
-                self._full_due = self.clock() + self.ttl_s / 3
+                full_due = self.clock() + self.ttl_s / 3
             raw, told = self.message(full)
             assert self._client is not None
             try:
@@ -248,7 +241,7 @@ class ReplicaSync:
                 metrics.REPLICA_SYNC_FAILURES.labels("publish").inc()
                 log.warning("publishing this router's assignments failed: %s", e)
                 self.published(told, reached=False)
-                self._full_due = 0.0
+                full_due = 0.0
             await asyncio.sleep(self.min_gap_s)
 
     async def _listen_loop(self) -> None:
