@@ -20,6 +20,7 @@ import redis.asyncio
 from pdserve.kv_events import STREAM_PREFIX, CacheUpdate, stream_key
 from pdserve.registry import WorkerInfo
 from router import metrics
+from router.redis_loops import raise_if_cancelled
 from router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -271,14 +272,9 @@ async def follow(
     """Reads the registered workers' streams into the index until cancelled: a worker new to
     the index from its first entry (its last snapshot rebuilds it), then as entries come."""
     client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=5.0)
-    me = asyncio.current_task()
     try:
         while True:
-            # redis-py can swallow a cancellation that lands inside a blocking XREAD (seen about
-            # once in 100 cancels); the request still counts as pending, so honour it here, or
-            # the router's shutdown waits on this task forever.
-            if me is not None and me.cancelling():
-                raise asyncio.CancelledError
+            raise_if_cancelled()  # or the router's shutdown could wait on this task forever
             registered = set(worker_ids())
             index.retain(registered)
             if not registered:

@@ -47,6 +47,7 @@ import redis.asyncio
 
 from router import metrics
 from router.ledger import Assignment
+from router.redis_loops import raise_if_cancelled
 from router.ticket import Ticket
 from router.workers import WorkerPool
 
@@ -213,7 +214,11 @@ class ReplicaSync:
         """Publishes and listens until cancelled; then removes this router's key."""
         self._client = redis.asyncio.Redis.from_url(self.redis_url, socket_timeout=2.0)
         try:
-            await asyncio.gather(self._publish_loop(), self._listen_loop())
+            # A TaskGroup, not gather: cancelled, it waits for both loops to end, so nothing
+            # is published after the key is deleted below.
+            async with asyncio.TaskGroup() as loops:
+                loops.create_task(self._publish_loop())
+                loops.create_task(self._listen_loop())
         finally:
             with contextlib.suppress(redis.RedisError):  # if not, its TTL removes it
                 await self._client.delete(self.key())
@@ -222,8 +227,10 @@ class ReplicaSync:
     async def _publish_loop(self) -> None:
         full_due = 0.0
         while True:
+            raise_if_cancelled()
             with contextlib.suppress(TimeoutError):  # idle: the full state, as a heartbeat
-                await asyncio.wait_for(self._changed.wait(), timeout=self.ttl_s / 3)
+                async with asyncio.timeout(self.ttl_s / 3):
+                    await self._changed.wait()
             self._changed.clear()
             full = self.clock() >= full_due
             if full:
@@ -266,6 +273,7 @@ class ReplicaSync:
                 if raw is not None:
                     self.take_in(raw)
             while True:
+                raise_if_cancelled()
                 message = await pubsub.get_message(timeout=self.ttl_s / 3)
                 if message is not None and message["type"] == "message":
                     self.take_in(message["data"])

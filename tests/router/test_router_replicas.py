@@ -267,6 +267,63 @@ def test_a_silent_router_is_forgotten_with_its_assignments(redis_url):
     asyncio.run(scenario())
 
 
+def test_a_router_stops_publishing_even_if_redis_py_swallows_its_cancellation(redis_url):
+    """On Python 3.11 a redis-py call can return instead of raising when the cancellation
+    lands as its reply arrives: the router's loops stop all the same, and nothing is published
+    after its key is deleted."""
+
+    async def scenario():
+        import redis.asyncio
+
+        a, b = router_pool(), router_pool()
+        sync_a, task_a = await started(a, redis_url, "deaf-a", ttl_s=0.6)
+        sync_b, task_b = await started(b, redis_url, "deaf-b", ttl_s=0.6)
+        a.assign("prefill", "p", 700)
+        await wait_until_async(
+            lambda: queued(b) == 700, timeout_s=30, message="b never saw a's assignment"
+        )
+        in_publish, swallowed = asyncio.Event(), []
+        assert sync_a._client is not None
+        make_pipeline = sync_a._client.pipeline
+
+        def pipeline(*args, **kwargs):
+            pipe = make_pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            async def execute_then_swallow_a_cancel():
+                result = await execute()
+                if not swallowed:
+                    in_publish.set()
+                    try:
+                        await asyncio.Event().wait()
+                    except asyncio.CancelledError:
+                        swallowed.append(True)
+                return result
+
+            pipe.execute = execute_then_swallow_a_cancel
+            return pipe
+
+        sync_a._client.pipeline = pipeline
+        a.assign("prefill", "p", 100)
+        await asyncio.wait_for(in_publish.wait(), 30)
+        task_a.cancel()
+        await asyncio.gather(task_a, return_exceptions=True)
+        assert swallowed == [True]
+        client = redis.asyncio.Redis.from_url(redis_url)
+        assert await client.exists(sync_a.key()) == 0
+        await wait_until_async(
+            lambda: "deaf-a" not in sync_b.heard_at,
+            timeout_s=30,
+            message="b still hears the stopped router",
+        )
+        assert queued(b) == 0 and await client.exists(sync_a.key()) == 0
+        await client.aclose()
+        task_b.cancel()
+        await asyncio.gather(task_b, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 def test_a_malformed_state_is_ignored(redis_url):
     async def scenario():
         import redis.asyncio
