@@ -8,7 +8,10 @@ message) as a Redis PUBLISH, pushed to the peers at once. A message is a delta (
 assignments that started or ended since the last one) or, every `ttl_s / 3`, the full state
 (every assignment it keeps), which also goes to a key with a TTL that a router starting later
 reads first. Messages are numbered: a peer that misses one ignores that router's deltas until
-its next full state, so a lost message costs at most one full-state period of staleness. A
+its next full state, so a lost message costs at most one full-state period of staleness.
+Alone, a router publishes only its full state (no one reads a delta: a publish and the
+dispatch after it on every change were most of a lone router's Redis traffic), and the first
+message after it hears of a new peer is its full state, whatever the newcomer read first. A
 peer not heard from for `ttl_s` is gone (killed, or cut from Redis): its assignments are
 forgotten, and the workers' heartbeats carry what remains of its work.
 
@@ -128,6 +131,7 @@ class ReplicaSync:
         # hold()'s waiters: (the number of the message that tells of their placement, future)
         self._held: list[tuple[int, asyncio.Future[None]]] = []
         self._changed = asyncio.Event()
+        self._full_due = 0.0  # clock time of the next full state (0: at once)
         self._client: redis.asyncio.Redis | None = None  # run()'s; the simulator needs none
 
     def key(self) -> str:
@@ -136,7 +140,8 @@ class ReplicaSync:
     def changed(self, side: str, assignment: Assignment) -> None:
         """This router's assignment started or ended: tell the peers (soon, batched)."""
         self._pending[side][assignment.serial] = assignment
-        self._changed.set()
+        if self.heard_at:  # alone, no one reads a delta: the changes wait for the full state
+            self._changed.set()
 
     def message(self, full: bool) -> tuple[str, set[str]]:
         """The next message to publish (the changes since the last one, or the full state),
@@ -194,6 +199,9 @@ class ReplicaSync:
         peer = message.peer
         if peer == self.router_id:
             return
+        if peer not in self.heard_at:  # it may have read an older full state of this router
+            self._full_due = 0.0
+            self._changed.set()
         self.heard_at[peer] = self.clock()
         last = self._peer_seq.get(peer)
         if message.full:
@@ -225,16 +233,15 @@ class ReplicaSync:
             await self._client.aclose()
 
     async def _publish_loop(self) -> None:
-        full_due = 0.0
         while True:
             raise_if_cancelled()
             with contextlib.suppress(TimeoutError):  # idle: the full state, as a heartbeat
                 async with asyncio.timeout(self.ttl_s / 3):
                     await self._changed.wait()
             self._changed.clear()
-            full = self.clock() >= full_due
+            full = self.clock() >= self._full_due
             if full:
-                full_due = self.clock() + self.ttl_s / 3
+                self._full_due = self.clock() + self.ttl_s / 3
             raw, told = self.message(full)
             assert self._client is not None
             try:
@@ -248,7 +255,7 @@ class ReplicaSync:
                 metrics.REPLICA_SYNC_FAILURES.labels("publish").inc()
                 log.warning("publishing this router's assignments failed: %s", e)
                 self.published(told, reached=False)
-                full_due = 0.0
+                self._full_due = 0.0
             await asyncio.sleep(self.min_gap_s)
 
     async def _listen_loop(self) -> None:

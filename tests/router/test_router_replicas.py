@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -240,6 +241,59 @@ def test_routers_see_each_others_assignments_through_redis(redis_url):
         for task in (task_a, task_b, task_c):
             task.cancel()
         await asyncio.gather(task_a, task_b, task_c, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_lone_router_publishes_its_full_state_only_until_a_peer_appears(redis_url):
+    """Alone, every change waits for the full state (no delta); once it hears of a peer, its
+    first message is its full state and each change after it goes out as a delta."""
+    import redis.asyncio
+
+    async def messages_of(pubsub, router_id, until):
+        seen, deadline_s = [], time.monotonic() + 60
+        while not until(seen):
+            assert time.monotonic() < deadline_s, f"no message from {router_id} after {seen}"
+            raw = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+            if raw is None:  # none yet, or the subscription's confirmation
+                continue
+            message = json.loads(raw["data"])
+            if message["router_id"] == router_id:
+                seen.append(message)
+        return seen
+
+    async def scenario():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        pubsub = client.pubsub()
+        await pubsub.subscribe(f"{KEY_PREFIX}:assignments")
+        a = router_pool()
+        sync_a, task_a = await started(a, redis_url, "lone-a", ttl_s=6.0)  # full every 2 s
+        await messages_of(pubsub, "lone-a", lambda seen: len(seen) == 1)
+        for _ in range(10):
+            a.release("prefill", a.assign("prefill", "p", 100))
+        held = a.assign("prefill", "p", 700)
+        # Until a full state tells of the last one, no message goes out: none is a delta.
+        seen = await messages_of(pubsub, "lone-a", lambda seen: any(
+            held.serial in [s[0] for s in m["prefill"]] for m in seen))  # fmt: skip
+        assert [m["full"] for m in seen] == [True] * len(seen)
+        # A peer appears; "lone-a" hears of it and answers with its full state.
+        b = router_pool()
+        sync_b, task_b = await started(b, redis_url, "peer-b", ttl_s=60.0)
+        await messages_of(pubsub, "lone-a", lambda seen: seen and seen[-1]["full"]
+                          and "peer-b" in sync_a.heard_at)  # fmt: skip
+        await wait_until_async(lambda: queued(b) == 700, timeout_s=30,
+                               message=lambda: f"b sees {queued(b)} queued tokens")  # fmt: skip
+        # Now a change goes out at once, as a delta.
+        second = a.assign("prefill", "p", 50)
+        [message] = await messages_of(pubsub, "lone-a", lambda seen: len(seen) == 1)
+        assert (message["full"], [s[0] for s in message["prefill"]]) == (False, [second.serial])
+        await wait_until_async(lambda: queued(b) == 750, timeout_s=30,
+                               message=lambda: f"b sees {queued(b)} queued tokens")  # fmt: skip
+        for task in (task_a, task_b):
+            task.cancel()
+        await asyncio.gather(task_a, task_b, return_exceptions=True)
+        await pubsub.aclose()
+        await client.aclose()
 
     asyncio.run(scenario())
 
