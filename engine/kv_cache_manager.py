@@ -107,10 +107,6 @@ class KVCacheManager:
         self.pool.cache(block_id, block_hash)
         return block_id
 
-    def cached_prefix(self, prompt_token_ids: list[int]) -> list[int]:
-        """The cached blocks a prefix match of this prompt would hit (no reference taken)."""
-        return self._cached_ids(prompt_block_hashes(prompt_token_ids, self.block_size))
-
     def cache_prompt_blocks(
         self, prompt_token_ids: list[int], first_block: int, block_ids: list[int]
     ) -> None:
@@ -119,15 +115,6 @@ class KVCacheManager:
         assert len(block_ids) <= len(hashes), "only full blocks before the last token are cached"
         for block_id, block_hash in zip(block_ids, hashes, strict=False):
             self.pool.cache(block_id, block_hash)
-
-    def _cached_ids(self, block_hashes: Sequence[bytes]) -> list[int]:
-        hit_ids = []
-        for block_hash in block_hashes:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hit_ids.append(block_id)
-        return hit_ids
 
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)

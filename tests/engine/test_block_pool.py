@@ -12,6 +12,7 @@ from engine.prefix_hash import (
     hash_block,
     prompt_block_hashes,
 )
+from tests.engine.kv_state import cached_in_pool
 
 
 def cached_pool(num_blocks: int, cached_ids: list[int]) -> BlockPool:
@@ -123,10 +124,10 @@ def test_blocks_a_peer_filled_are_found_by_the_prefix_match_after_our_own():
     [own] = kv.pool.allocate(1)  # computed here, then freed: cached-free
     kv.pool.cache(own, hashes[0])
     kv.pool.free([own])
-    assert kv.cached_prefix(prompt) == [0]
+    assert cached_in_pool(kv, prompt) == [0]
     filled = kv.pool.allocate(2)  # what a peer fetch reads into
     kv.cache_prompt_blocks(prompt, 1, filled)
-    assert kv.cached_prefix(prompt) == [0, 1, 2]
+    assert cached_in_pool(kv, prompt) == [0, 1, 2]
     kv.pool.free(filled)
     kv.pool.check_integrity()
 

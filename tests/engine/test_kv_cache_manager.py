@@ -12,6 +12,7 @@ from engine.prefix_hash import prompt_block_hashes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
+from tests.engine.kv_state import cached_in_pool
 
 BLOCK_SIZE = 4
 
@@ -68,7 +69,7 @@ def test_a_prefix_fetch_holds_our_hits_and_allocates_the_blocks_past_them():
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks end before the last token
     cache_first_block(kv, prompt)
     own_ids = kv.claim_prefix(prompt)
-    assert kv.cached_prefix(prompt) == own_ids == [0]
+    assert cached_in_pool(kv, prompt) == own_ids == [0]
     assert kv.reserve_prefix_fetch(2, max_used_blocks=3) == [1, 2]
     assert ref_counts(kv) == [1, 1, 1, 0, 0, 0, 0, 0]
     kv.release(own_ids + [1, 2])
@@ -88,7 +89,7 @@ def test_a_prefix_fetch_that_does_not_fit_takes_nothing(num_blocks, max_used_blo
     assert kv.reserve_prefix_fetch(num_blocks, max_used_blocks) is None
     assert ref_counts(kv) == [1, 0, 0, 0]
     kv.release(own_ids)
-    assert kv.cached_prefix(prompt) == [0]
+    assert cached_in_pool(kv, prompt) == [0]
     kv.check_integrity()
 
 

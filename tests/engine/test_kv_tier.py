@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_tier import HostKVTier, host_tier
 from engine.prefix_hash import prompt_block_hashes
+from tests.engine.kv_state import cached_in_pool
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = BLOCK_SIZE * 46_080  # SmolLM2-135M's fp32 KV: one block
@@ -232,7 +233,7 @@ def test_a_prefill_worker_loads_from_its_own_tier_what_it_would_have_read_from_a
     host_hit_before = engine.kv.stats.num_host_hit_tokens
     assert plan_prefix_fetch(engine, prompt, 7, fast, prefill_tokens_per_s=100.0) is None
     assert engine.kv.stats.num_host_hit_tokens - host_hit_before == 7 * BLOCK_SIZE
-    assert len(engine.kv.cached_prefix(prompt)) == 7  # back in the pool, no reference held
+    assert len(cached_in_pool(engine.kv, prompt)) == 7  # back in the pool, no reference held
     assert_idle_and_whole(tiered)
     # Its first 4 blocks only, in the tier: a peer holding all 7 is read for the last 3.
     engine.kv.reset_cache()

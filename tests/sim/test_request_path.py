@@ -28,6 +28,7 @@ from sim.cluster import ClusterConfig, Simulation
 from sim.scenario import Scenario, simulate
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import ClosedLoop, LengthMix, Sequential, SimRequest
+from tests.engine.kv_state import cached_in_pool
 from tests.router import router_harness as harness
 from tests.sim.conftest import LinearCost, pd_cluster
 
@@ -282,7 +283,7 @@ def test_a_prefix_the_decode_worker_holds_past_our_hits_is_read_when_that_is_fas
     fast = FetchCosts(kv_bytes_per_token=4096, kv_bytes_per_s=1e12)
     plan = plan_prefix_fetch(engine, prompt, 12, fast, prefill_tokens_per_s=100.0)
     assert plan is not None and (len(plan.own_ids), len(plan.dst_ids), plan.refused) == (5, 7, None)
-    assert plan.own_ids == engine.kv.cached_prefix(prompt)
+    assert plan.own_ids == cached_in_pool(engine.kv, prompt)
     engine.kv.release(plan.own_ids + plan.dst_ids)  # as the request's end does
     engine.kv.check_integrity()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
