@@ -260,6 +260,7 @@ class ReplicaSync:
 
     async def _listen_loop(self) -> None:
         while True:
+            raise_if_cancelled()  # _listen() checks too, unless Redis is away before it can
             try:
                 await self._listen()
             except (redis.RedisError, OSError) as e:  # Redis is away: peers expire meanwhile
