@@ -55,7 +55,8 @@ class KVCacheManager:
         assert not request.block_ids, "prefix matching is for a request without blocks"
         self._hash_full_blocks(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        request.block_ids = self._claim(request.block_hashes[:max_hit_blocks])
+        counted, request.prefix_looked_up = request.prefix_looked_up, False
+        request.block_ids = self._claim(request.block_hashes[:max_hit_blocks], count=not counted)
         num_hit_tokens = len(request.block_ids) * self.block_size
         self.stats.num_queried_tokens += request.num_tokens
         self.stats.num_hit_tokens += num_hit_tokens
@@ -63,25 +64,26 @@ class KVCacheManager:
 
     def claim_prefix(self, prompt_token_ids: list[int]) -> list[int]:
         """The blocks a prefix match of this prompt would hit, a reference taken on each (the
-        host tier's loaded back into the pool, as a match loads them); release drops them."""
-        return self._claim(prompt_block_hashes(prompt_token_ids, self.block_size))
+        host tier's loaded back into the pool, as a match loads them); release drops them.
+        The walk counts in the lookup metrics as the request's own match would: the request
+        then says so (Request.prefix_looked_up)."""
+        return self._claim(prompt_block_hashes(prompt_token_ids, self.block_size), count=True)
 
-    def _claim(self, block_hashes: Sequence[bytes]) -> list[int]:
-        """The leading blocks cached in the pool or, past it, the host tier, referenced."""
+    def _claim(self, block_hashes: Sequence[bytes], count: bool) -> list[int]:
+        """The leading blocks cached in the pool or, past it, the host tier, referenced; each
+        lookup counted in the tiers' metrics when `count`."""
         hit_ids: list[int] = []
         for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
-            TIER_LOOKUPS.labels("pool", "miss" if block_id is None else "hit").inc()
+            self._count(count, "pool", "miss" if block_id is None else "hit")
             if block_id is not None:
                 self.pool.touch([block_id])  # at once: loads below must not evict it
-            elif (block_id := self._load_from_tier(block_hash)) is not None:
-                self.stats.num_host_hit_tokens += self.block_size
-            else:
+            elif (block_id := self._load_from_tier(block_hash, count)) is None:
                 break
             hit_ids.append(block_id)
         return hit_ids
 
-    def _load_from_tier(self, block_hash: bytes) -> int | None:
+    def _load_from_tier(self, block_hash: bytes, count: bool) -> int | None:
         """A fresh pool block holding the host tier's copy of block_hash, cached under it and
         referenced once; None when there is no tier, it lacks the block, loading a block has
         measured slower than computing its tokens, the load fails, or the pool has no free
@@ -90,22 +92,31 @@ class KVCacheManager:
         if tier is None:
             return None
         if block_hash not in tier or not self.pool.num_free_blocks:
-            TIER_LOOKUPS.labels("host", "miss").inc()
+            self._count(count, "host", "miss")
             return None
         if tier.load_s_per_block > self.block_size * self.prefill_s_per_token > 0:
-            TIER_LOOKUPS.labels("host", "skipped").inc()
-            self.stats.num_host_skipped_tokens += self.block_size
+            self._count(count, "host", "skipped")
             return None
         # Allocating may evict a cached block into the tier, and that may push this very block
         # out of a full tier: load() then says it is gone.
         [block_id] = self.pool.allocate(1)
         if not tier.load(block_hash, block_id):
-            TIER_LOOKUPS.labels("host", "miss").inc()
+            self._count(count, "host", "miss")
             self.pool.free([block_id])
             return None
-        TIER_LOOKUPS.labels("host", "hit").inc()
+        self._count(count, "host", "hit")
         self.pool.cache(block_id, block_hash)
         return block_id
+
+    def _count(self, count: bool, tier: str, result: str) -> None:
+        """A block looked up in a tier: hit, miss or (host tier) skipped, when `count`."""
+        if not count:
+            return
+        TIER_LOOKUPS.labels(tier, result).inc()
+        if tier == "host" and result == "hit":
+            self.stats.num_host_hit_tokens += self.block_size
+        elif tier == "host" and result == "skipped":
+            self.stats.num_host_skipped_tokens += self.block_size
 
     def cache_prompt_blocks(
         self, prompt_token_ids: list[int], first_block: int, block_ids: list[int]

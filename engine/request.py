@@ -39,6 +39,10 @@ class Request:
     status: RequestStatus = "waiting"
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
+    # A prefill worker's fetch plan walked its prefix (plan_prefix_fetch) and counted that walk
+    # in the tiers' lookup metrics: its first prefix match, which finds what the plan held,
+    # counts nothing again.
+    prefix_looked_up: bool = False
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: FinishReason | None = None

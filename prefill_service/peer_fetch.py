@@ -31,6 +31,7 @@ class Fetched:
     num_tokens: int = 0
     held_block_ids: list[int] = field(default_factory=list)
     seconds: float = 0.0  # spent reading (or failing to)
+    looked_up: bool = False  # planned: the request's prefix lookup is counted (prefix_looked_up)
 
 
 class PrefixFetcher:
@@ -54,12 +55,12 @@ class PrefixFetcher:
             self.runtime.loop.stats.prefill_tokens_per_s,
         ))  # fmt: skip
         if plan is None:
-            return Fetched()
+            return Fetched(looked_up=True)
         if plan.refused is not None:
             metrics.PEER_FETCHES.labels(plan.refused).inc()
-            return Fetched()
+            return Fetched(looked_up=True)
         own_ids, dst_ids = plan.own_ids, plan.dst_ids
-        fetched = Fetched(held_block_ids=own_ids)
+        fetched = Fetched(held_block_ids=own_ids, looked_up=True)
         first = len(own_ids)
         src_ids = list(dest.block_ids[first : first + len(dst_ids)])
         num_tokens = len(dst_ids) * self.block_size

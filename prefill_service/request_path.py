@@ -99,7 +99,9 @@ def plan_prefix_fetch(
 ) -> FetchPlan | None:
     """Engine thread: what to read of the num_held_blocks prompt blocks the decode worker
     holds, past our own prefix hits (our host tier's among them: loading them here is a
-    memory copy, reading them a network transfer); None when it holds nothing more."""
+    memory copy, reading them a network transfer); None when it holds nothing more. Its walk
+    of our prefix is the request's lookup in the tiers' metrics: the request built for this
+    prompt is marked (Request.prefix_looked_up) so that its match does not count it again."""
     own_ids = engine.kv.claim_prefix(prompt)
     num_blocks = num_held_blocks - len(own_ids)
     num_tokens = num_blocks * engine.kv.block_size

@@ -70,6 +70,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 
         def admit():
             engine_request = self.engine.add_request(rid, prompt, params, num_prior)
+            engine_request.prefix_looked_up = job.fetched.looked_up
             self.jobs[rid] = job
             return engine_request, loop.open_stream(rid)
 

@@ -506,6 +506,7 @@ class Simulation:
         try:
             prefill_request = prefill.engine.add_request(rid, prompt,
                                                          first_token_params(params, 0))  # fmt: skip
+            prefill_request.prefix_looked_up = True  # by _fetch_prefix's plan
         except engine_errors.EngineError:
             prefill.engine.kv.release(transfer.held_block_ids)
             decode.engine.abort_request(rid)

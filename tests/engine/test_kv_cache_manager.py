@@ -4,6 +4,7 @@ its quarantine of blocks an unfenced writer may reach, and the integrity check o
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
 from engine.block_pool import BlockPool, NoFreeBlocksError
 from engine.errors import InsufficientKVError
@@ -21,16 +22,20 @@ def manager(num_blocks: int) -> KVCacheManager:
     return KVCacheManager(BlockPool(num_blocks), BLOCK_SIZE)
 
 
-def request_with_blocks(kv: KVCacheManager, num_tokens: int) -> Request:
-    request = Request(
+def new_request(prompt: list[int]) -> Request:
+    return Request(
         request_id="r",
-        token_ids=list(range(100, 100 + num_tokens)),
-        num_prompt_tokens=num_tokens,
+        token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
         params=SamplingParams(),
         generator=None,
         detokenizer=IncrementalDetokenizer(None),  # type: ignore[arg-type]  # never decodes
-        max_total_tokens=num_tokens + 1,
+        max_total_tokens=len(prompt) + 1,
     )
+
+
+def request_with_blocks(kv: KVCacheManager, num_tokens: int) -> Request:
+    request = new_request(list(range(100, 100 + num_tokens)))
     assert kv.allocate_slots(request, num_tokens)
     return request
 
@@ -73,6 +78,37 @@ def test_a_prefix_fetch_holds_our_hits_and_allocates_the_blocks_past_them():
     assert kv.reserve_prefix_fetch(2, max_used_blocks=3) == [1, 2]
     assert ref_counts(kv) == [1, 1, 1, 0, 0, 0, 0, 0]
     kv.release(own_ids + [1, 2])
+    assert kv.pool.num_free_blocks == 8
+    kv.check_integrity()
+
+
+def pool_lookups() -> dict[str, float]:
+    return {
+        result: REGISTRY.get_sample_value(
+            "pdserve_kv_tier_lookups_total", {"tier": "pool", "result": result}
+        ) or 0.0
+        for result in ("hit", "miss")
+    }  # fmt: skip
+
+
+def test_a_planned_prefix_is_counted_once_in_the_lookup_metrics():
+    """A fetch plan's walk (claim_prefix) is the request's lookup: the request's first match,
+    which finds what the plan holds, counts nothing more; a later match counts again."""
+    kv = manager(8)
+    prompt = list(range(100, 114))  # 14 tokens: 3 full blocks end before the last token
+    cache_first_block(kv, prompt)
+    before = pool_lookups()
+    own_ids = kv.claim_prefix(prompt)  # block 0 found, the next one not
+    request = new_request(prompt)
+    request.prefix_looked_up = True
+    assert kv.match_prefix(request) == BLOCK_SIZE
+    assert {r: n - before[r] for r, n in pool_lookups().items()} == {"hit": 1, "miss": 1}
+    assert not request.prefix_looked_up
+    kv.free(request)  # as a preemption does: its next match is a lookup of its own
+    assert kv.match_prefix(request) == BLOCK_SIZE
+    assert {r: n - before[r] for r, n in pool_lookups().items()} == {"hit": 2, "miss": 2}
+    kv.free(request)
+    kv.release(own_ids)
     assert kv.pool.num_free_blocks == 8
     kv.check_integrity()
 

@@ -60,6 +60,11 @@ def sources(prefill: WorkerProcess) -> dict[str, float]:
             for s in ("computed", "prefix_cache", "peer_fetch")}  # fmt: skip
 
 
+def pool_lookups(prefill: WorkerProcess) -> dict[str, float]:
+    return {r: prefill.metric("pdserve_kv_tier_lookups_total", tier="pool", result=r)
+            for r in ("hit", "miss")}  # fmt: skip
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after}
 
@@ -92,7 +97,7 @@ def test_a_prefix_read_from_the_decode_worker_equals_a_full_prefill(cluster, ref
     _, prefill_1, decode = cluster.workers
     turn_2 = second_turn(cluster, seed=1)
     assert len(turn_2) == 378
-    before = sources(prefill_1)
+    before, lookups_before = sources(prefill_1), pool_lookups(prefill_1)
 
     output, usage = generate(decode, prefill_1, turn_2, "turn-2")
 
@@ -103,6 +108,9 @@ def test_a_prefix_read_from_the_decode_worker_equals_a_full_prefill(cluster, ref
         "computed": 378 - 336, "prefix_cache": 0, "peer_fetch": 336
     }  # fmt: skip
     assert usage.cached_prompt_tokens == 336
+    # One lookup, the fetch plan's: its first block missed. The read blocks the request's
+    # prefix match then finds are not counted again as pool hits.
+    assert delta(pool_lookups(prefill_1), lookups_before) == {"hit": 0, "miss": 1}
     assert_idle(cluster)
 
 
