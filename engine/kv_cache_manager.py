@@ -57,6 +57,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         counted, request.prefix_looked_up = request.prefix_looked_up, False
         request.block_ids = self._claim(request.block_hashes[:max_hit_blocks], count=not counted)
+        request.num_registered_blocks = len(request.block_ids)
         num_hit_tokens = len(request.block_ids) * self.block_size
         self.stats.num_queried_tokens += request.num_tokens
         self.stats.num_hit_tokens += num_hit_tokens
@@ -141,17 +142,21 @@ class KVCacheManager:
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Registers the request's full, computed blocks in the prefix cache."""
+        """Registers the request's full, computed blocks in the prefix cache: those filled
+        since the last call (a full block whose hash another block holds stays unregistered)."""
         self._hash_full_blocks(request)
         num_full = request.num_computed_tokens // self.block_size
+        first = request.num_registered_blocks
         for block_id, block_hash in zip(
-            request.block_ids[:num_full], request.block_hashes[:num_full], strict=False
+            request.block_ids[first:num_full], request.block_hashes[first:num_full], strict=False
         ):
             self.pool.cache(block_id, block_hash)
+        request.num_registered_blocks = max(first, num_full)
 
     def free(self, request: Request) -> None:
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
+        request.num_registered_blocks = 0
 
     def reset_cache(self) -> int:
         """Forgets every cached block not in use, in the pool and the host tier (e.g. after
@@ -189,6 +194,7 @@ class KVCacheManager:
         first = self.first_remote_block(request)
         unfenced = request.block_ids[first:]
         request.block_ids = request.block_ids[:first]
+        request.num_registered_blocks = min(request.num_registered_blocks, first)
         self._quarantine(unfenced)
         return unfenced
 
@@ -200,6 +206,7 @@ class KVCacheManager:
         if len(unfenced) > self.pool.num_free_blocks:
             raise InsufficientKVError(len(unfenced), self.pool.num_free_blocks)
         request.block_ids[first:] = self.pool.allocate(len(unfenced))
+        request.num_registered_blocks = min(request.num_registered_blocks, first)
         self._quarantine(unfenced)
         return unfenced
 

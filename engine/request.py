@@ -45,6 +45,9 @@ class Request:
     prefix_looked_up: bool = False
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    # The leading blocks of block_ids already registered in the prefix cache (or found there):
+    # each step registers only the blocks it filled, not the whole table again.
+    num_registered_blocks: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: StopReason = None  # with finish_reason "stop": the stop string or token id
     output: OutputText = field(init=False)  # the text clients see (stop strings applied)
