@@ -13,7 +13,7 @@ from engine.prefix_hash import prompt_block_hashes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
-from tests.engine.kv_state import cached_in_pool
+from tests.engine.kv_state import cached_blocks, cached_in_pool
 
 BLOCK_SIZE = 4
 
@@ -82,33 +82,28 @@ def test_a_prefix_fetch_holds_our_hits_and_allocates_the_blocks_past_them():
     kv.check_integrity()
 
 
-def registered(kv: KVCacheManager, request: Request) -> list[int]:
-    """The request's blocks the prefix cache finds under their hashes."""
-    return [kv.pool.lookup(h) for h in request.block_hashes if kv.pool.lookup(h) is not None]
-
-
 def test_a_block_is_registered_in_the_step_that_fills_it_and_again_after_a_preemption():
     kv = manager(8)
     request = new_request(list(range(100, 106)))  # 6 tokens: one full block
     assert kv.allocate_slots(request, 6)
     request.num_computed_tokens = 6
     kv.cache_computed_blocks(request)
-    assert registered(kv, request) == request.block_ids[:1] == [0]
+    assert cached_blocks(kv, request.block_hashes) == request.block_ids[:1] == [0]
     for token in range(2):  # decoding fills the second block with its 8th token
         request.token_ids.append(token)
         assert kv.allocate_slots(request, 1)
         request.num_computed_tokens += 1
         kv.cache_computed_blocks(request)
-    assert registered(kv, request) == request.block_ids[:2] == [0, 1]
+    assert cached_blocks(kv, request.block_hashes) == request.block_ids[:2] == [0, 1]
     # Preempted: its blocks go back and the cache is dropped; recomputed, both are found again.
     kv.free(request)
     kv.reset_cache()
     request.num_computed_tokens = 0
-    assert registered(kv, request) == []
+    assert cached_blocks(kv, request.block_hashes) == []
     assert kv.allocate_slots(request, 8)
     request.num_computed_tokens = 8
     kv.cache_computed_blocks(request)
-    assert registered(kv, request) == request.block_ids[:2]
+    assert cached_blocks(kv, request.block_hashes) == request.block_ids[:2]
     kv.free(request)
     kv.check_integrity()
 
