@@ -164,6 +164,25 @@ class KVCacheManager:
         num_dropped = self.pool.reset_cache()
         return num_dropped + (self.tier.clear() if self.tier is not None else 0)
 
+    def blocks_in_flight(self, request: Request) -> list[bytes]:
+        """The hashes of the prompt blocks this running request has still to fill (this step or
+        later) and register; none with prefix caching off."""
+        if not self.pool.enable_caching:
+            return []
+        self._hash_full_blocks(request)
+        num_prompt_blocks = request.num_prompt_tokens // self.block_size
+        return request.block_hashes[request.num_registered_blocks : num_prompt_blocks]
+
+    def first_missed_block(self, request: Request) -> bytes | None:
+        """The hash of the first block a prefix match of this waiting request would not find in
+        the pool; None when every block it may hit is there."""
+        self._hash_full_blocks(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            if self.pool.lookup(block_hash) is None:
+                return block_hash
+        return None
+
     def _hash_full_blocks(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
 

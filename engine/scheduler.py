@@ -81,20 +81,47 @@ class Scheduler:
                 continue
             batch.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        in_flight = self._blocks_in_flight()
         for request in jumping:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if self._waits_for(request, in_flight):
+                continue
             if not self._admit(request, budget, batch):
                 break
             self.waiting.remove(request)
             budget -= batch[-1].num_new_tokens
+            in_flight.update(self.kv.blocks_in_flight(request))
         # Then admit waiting requests while budget, sequence slots and the watermark allow.
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self._waits_for(self.waiting[0], in_flight):
+                passed_over.append(self.waiting.popleft())
+                continue
             if not self._admit(self.waiting[0], budget, batch):
                 break
-            self.waiting.popleft()
+            admitted = self.waiting.popleft()
             budget -= batch[-1].num_new_tokens
+            in_flight.update(self.kv.blocks_in_flight(admitted))
+        self.waiting.extendleft(reversed(passed_over))
         return batch
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """The prompt blocks running prefills have still to fill and register."""
+        in_flight: set[bytes] = set()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                in_flight.update(self.kv.blocks_in_flight(request))
+        return in_flight
+
+    def _waits_for(self, request: Request, in_flight: set[bytes]) -> bool:
+        """A waiting request whose next uncached block a running prefill is filling waits for
+        it: it then finds the shared prefix cached instead of computing it a second time (a
+        burst of prompts behind one system prompt that no cache holds yet computes the prompt
+        once, not once each). A request that holds blocks already (a peer fetch's) goes on."""
+        if not in_flight or request.block_ids:
+            return False
+        return self.kv.first_missed_block(request) in in_flight
 
     def _finishing_now(self, budget: int) -> list[Request]:
         """Waiting requests, in order, whose whole prompts fit the budget together."""

@@ -1,6 +1,7 @@
 """The scheduler's order within a step: prompts that finish in half a step go ahead of partial
 prefills and longer waiting prompts, never past half the step, and never past a waiting
-request the KV pool could not take."""
+request the KV pool could not take; a prompt whose uncached prefix another prompt is filling
+waits for it instead of computing it again."""
 
 from __future__ import annotations
 
@@ -83,3 +84,30 @@ def test_nothing_goes_ahead_of_a_request_the_pool_cannot_take(engine):
     assert computed(blocked, short) == [256, 0]
     engine.step()
     assert computed(blocked, short) == [300, 40]
+
+
+def test_a_prefix_another_prompt_is_filling_is_computed_once(engine):
+    system = prompt(160)  # 10 blocks no cache holds
+    first = engine.add_request("first", system + prompt(40, 2000), PARAMS)
+    second = engine.add_request("second", system + prompt(40, 3000), PARAMS)
+    other = engine.add_request("other", prompt(200, 4000), PARAMS)
+    engine.step()
+    # The second waits for the shared blocks; the unrelated prompt behind it does not.
+    assert computed(first, second, other) == [200, 0, 56]
+    engine.step()
+    # The second finds the 160 shared tokens cached and computes its own 40.
+    assert computed(first, second, other) == [201, 200, 200]
+    assert second.num_cached_tokens == 160
+    assert second.num_output_tokens == 1
+
+
+def test_without_prefix_caching_prompts_sharing_a_prefix_compute_it_together():
+    config = EngineConfig(
+        num_blocks=64, chunk_size=CHUNK, num_threads=1, device="cpu", enable_prefix_caching=False
+    )
+    engine = LLMEngine(config)
+    system = prompt(160)
+    first = engine.add_request("first", system + prompt(40, 2000), PARAMS)
+    second = engine.add_request("second", system + prompt(40, 3000), PARAMS)
+    engine.step()
+    assert computed(first, second) == [200, 56]
