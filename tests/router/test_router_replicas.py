@@ -4,10 +4,10 @@ kept in step through a real Redis server."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import pytest
 from router_harness import pool_of, ticket, with_load, worker
@@ -299,10 +299,19 @@ def test_a_lone_router_publishes_its_full_state_only_until_a_peer_appears(redis_
     asyncio.run(scenario())
 
 
-def swallow_a_cancel_after_next_publish(sync: ReplicaSync) -> asyncio.Event:
+@dataclass
+class SwallowedCancel:
+    """swallow_a_cancel_after_next_publish's record: set once the publish reached Redis, and
+    whether a cancellation was then swallowed there."""
+
+    in_publish: asyncio.Event = field(default_factory=asyncio.Event)
+    swallowed: bool = False
+
+
+def swallow_a_cancel_after_next_publish(sync: ReplicaSync) -> SwallowedCancel:
     """Makes the router's next publish, once it reached Redis, swallow the cancellation that
-    lands then (as a redis-py call can on Python 3.11); returns an event set at that point."""
-    in_publish, swallowed = asyncio.Event(), False
+    lands then (as a redis-py call can on Python 3.11)."""
+    trap = SwallowedCancel()
     assert sync._client is not None
     make_pipeline = sync._client.pipeline
 
@@ -311,20 +320,20 @@ def swallow_a_cancel_after_next_publish(sync: ReplicaSync) -> asyncio.Event:
         execute = pipe.execute
 
         async def execute_then_swallow_a_cancel():
-            nonlocal swallowed
             result = await execute()
-            if not swallowed:
-                in_publish.set()
-                with contextlib.suppress(asyncio.CancelledError):
+            if not trap.in_publish.is_set():
+                trap.in_publish.set()
+                try:
                     await asyncio.Event().wait()
-                swallowed = True
+                except asyncio.CancelledError:
+                    trap.swallowed = True
             return result
 
         pipe.execute = execute_then_swallow_a_cancel
         return pipe
 
     sync._client.pipeline = pipeline
-    return in_publish
+    return trap
 
 
 @pytest.mark.parametrize("swallowed", [False, True], ids=["cancelled", "cancel-swallowed"])
@@ -343,12 +352,13 @@ def test_a_stopped_router_is_forgotten_with_its_assignments(redis_url, swallowed
         await wait_until_async(
             lambda: queued(b) == 900, timeout_s=30, message="b never saw a's assignment"
         )
-        if swallowed:
-            in_publish = swallow_a_cancel_after_next_publish(sync_a)
+        trap = swallow_a_cancel_after_next_publish(sync_a) if swallowed else None
+        if trap is not None:
             a.assign("prefill", "p", 100)
-            await asyncio.wait_for(in_publish.wait(), 30)
+            await asyncio.wait_for(trap.in_publish.wait(), 30)
         task_a.cancel()
         await asyncio.gather(task_a, return_exceptions=True)
+        assert trap is None or trap.swallowed
         client = redis.asyncio.Redis.from_url(redis_url)
         assert await client.exists(sync_a.key()) == 0
         await wait_until_async(
