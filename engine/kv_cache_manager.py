@@ -51,12 +51,10 @@ class KVCacheManager:
 
     def match_prefix(self, request: Request) -> int:
         """Claims the cached full blocks that start this request's tokens; returns the number of
-        tokens they hold. The last token is never a hit: its logits are needed."""
+        tokens they hold."""
         assert not request.block_ids, "prefix matching is for a request without blocks"
-        self._hash_full_blocks(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
         counted, request.prefix_looked_up = request.prefix_looked_up, False
-        request.block_ids = self._claim(request.block_hashes[:max_hit_blocks], count=not counted)
+        request.block_ids = self._claim(self._hittable_hashes(request), count=not counted)
         request.num_registered_blocks = len(request.block_ids)
         num_hit_tokens = len(request.block_ids) * self.block_size
         self.stats.num_queried_tokens += request.num_tokens
@@ -176,12 +174,16 @@ class KVCacheManager:
     def first_missed_block(self, request: Request) -> bytes | None:
         """The hash of the first block a prefix match of this waiting request would not find in
         the pool; None when every block it may hit is there."""
-        self._hash_full_blocks(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in self._hittable_hashes(request):
             if self.pool.lookup(block_hash) is None:
                 return block_hash
         return None
+
+    def _hittable_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's blocks a prefix match may hit: its full blocks before
+        the last token, which is never a hit (its logits are needed)."""
+        self._hash_full_blocks(request)
+        return request.block_hashes[: (request.num_tokens - 1) // self.block_size]
 
     def _hash_full_blocks(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
