@@ -171,12 +171,27 @@ class KVCacheManager:
         num_prompt_blocks = request.num_prompt_tokens // self.block_size
         return request.block_hashes[request.num_registered_blocks : num_prompt_blocks]
 
+    def peek_prefix(self, request: Request) -> int:
+        """The tokens a prefix match of this waiting request would find now, in the pool or the
+        host tier, without claiming or counting them (the match may still find fewer: a tier
+        load can fail, or measure slower than computing)."""
+        hittable = self._hittable_hashes(request)
+        missed = self._first_missed(hittable, with_tier=True)
+        return (len(hittable) if missed is None else missed) * self.block_size
+
     def first_missed_block(self, request: Request) -> bytes | None:
         """The hash of the first block a prefix match of this waiting request would not find in
         the pool; None when every block it may hit is there."""
-        for block_hash in self._hittable_hashes(request):
-            if self.pool.lookup(block_hash) is None:
-                return block_hash
+        hittable = self._hittable_hashes(request)
+        missed = self._first_missed(hittable, with_tier=False)
+        return None if missed is None else hittable[missed]
+
+    def _first_missed(self, block_hashes: list[bytes], with_tier: bool) -> int | None:
+        """The index of the first block neither the pool nor (with_tier) the host tier holds."""
+        tier = self.tier if with_tier else None
+        for index, block_hash in enumerate(block_hashes):
+            if self.pool.lookup(block_hash) is None and (tier is None or block_hash not in tier):
+                return index
         return None
 
     def _hittable_hashes(self, request: Request) -> list[bytes]:

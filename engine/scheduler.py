@@ -33,6 +33,7 @@ class Scheduler:
         # The last step could not admit a waiting request (the watermark, the free blocks):
         # nothing goes ahead of it until one is admitted again, so no prompt waits forever.
         self._admission_blocked = False
+        self._backlog: bool | None = None  # this step's _has_backlog(), once asked
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -66,6 +67,7 @@ class Scheduler:
         # leave; decodes are never held back.
         jumping = [] if self._admission_blocked else self._finishing_now(budget // 2)
         self._admission_blocked = False
+        self._backlog = None
         reserved = sum(r.num_tokens for r in jumping)
         # Running requests first: decodes (1 token) and the next chunk of partial prefills.
         for request in list(self.running):
@@ -87,6 +89,8 @@ class Scheduler:
                 break
             if self._waits_for(request, in_flight):
                 continue
+            if not self._joins_step(request, budget, batch):
+                break
             if not self._admit(request, budget, batch):
                 break
             self.waiting.remove(request)
@@ -98,6 +102,8 @@ class Scheduler:
             if self._waits_for(self.waiting[0], in_flight):
                 passed_over.append(self.waiting.popleft())
                 continue
+            if not self._joins_step(self.waiting[0], budget, batch):
+                break
             if not self._admit(self.waiting[0], budget, batch):
                 break
             admitted = self.waiting.popleft()
@@ -122,6 +128,54 @@ class Scheduler:
         if not in_flight or request.block_ids:
             return False
         return self.kv.first_missed_block(request) in in_flight
+
+    def _joins_step(self, request: Request, budget: int, batch: list[ScheduledRequest]) -> bool:
+        """Whether a waiting prompt whose prefill would complete in this step joins it.
+
+        Under a backlog (_has_backlog) it does: packing steps serves the queue soonest. A
+        burst one step could take is split to keep the sum of the first-token waits small:
+        joining delays the prompts completing in the step already by its compute; waiting for
+        the next step delays it, and each other waiting prompt, by one more step's fixed cost
+        (config.step_overhead_tokens, in prompt tokens' compute). It joins when that is the
+        larger delay. On a CPU, where compute grows with the tokens, a few prompts arriving
+        together spread over a few steps; where the fixed cost dominates (a GPU: 0, not
+        weighed) every prompt that fits joins. A prompt that would not complete (a long one's
+        chunk) always joins: its first token is steps away either way."""
+        overhead_tokens = self.config.step_overhead_tokens
+        completing = sum(
+            item.completes_pass and item.request.num_output_tokens == 0 for item in batch
+        )
+        if overhead_tokens == 0 or completing == 0 or self._has_backlog():
+            return True
+        num_new = request.num_tokens - self._cached_tokens(request)
+        if num_new > budget:
+            return True
+        num_behind = len(self.waiting) - 1  # every other waiting prompt
+        return (1 + num_behind) * overhead_tokens >= completing * num_new
+
+    def _has_backlog(self) -> bool:
+        """More prompt tokens are to be computed (the rest of the running prefills, the waiting
+        prompts past their cached prefixes) than one step takes. Packing is then what serves
+        them soonest, and the queue seen here may understate the load: a router holds back
+        what it has not forwarded yet."""
+        if self._backlog is None:
+            budget = self.config.chunk_size
+            pending = sum(
+                r.num_tokens - r.num_computed_tokens
+                for r in self.running
+                if r.num_output_tokens == 0
+            )
+            for request in self.waiting:
+                if pending > budget:
+                    break
+                pending += request.num_tokens - self._cached_tokens(request)
+            self._backlog = pending > budget
+        return self._backlog
+
+    def _cached_tokens(self, request: Request) -> int:
+        """The tokens of a waiting request that will not be computed: a prefix match's hits,
+        or the blocks a peer fetch filled."""
+        return request.num_computed_tokens if request.block_ids else self.kv.peek_prefix(request)
 
     def _finishing_now(self, budget: int) -> list[Request]:
         """Waiting requests, in order, whose whole prompts fit the budget together."""

@@ -30,6 +30,7 @@ WORKER_ENV = {
     "--advertise-host": "PDSERVE_ADVERTISE_HOST", "--metrics-port": "PDSERVE_METRICS_PORT",
     "--worker-id": "PDSERVE_WORKER_ID", "--kv-backend": "PDSERVE_KV_BACKEND",
     "--chunk-size": "PDSERVE_CHUNK_SIZE", "--num-blocks": "PDSERVE_NUM_BLOCKS",
+    "--step-overhead-tokens": "PDSERVE_STEP_OVERHEAD_TOKENS",
     "--drain-grace-s": "PDSERVE_DRAIN_GRACE_S", "--registry-ttl-s": "PDSERVE_REGISTRY_TTL_S",
     "--warmup": None, "--tls-cert-file": "PDSERVE_TLS_CERT_FILE",
     "--tls-key-file": "PDSERVE_TLS_KEY_FILE", "--tls-ca-file": "PDSERVE_TLS_CA_FILE",

@@ -6,6 +6,7 @@ import pytest
 
 from engine import (
     LLM,
+    EngineConfig,
     InvalidRequestError,
     PromptTooLongError,
     SamplingParams,
@@ -54,6 +55,12 @@ def test_unknown_model_names_the_choices():
 def test_chunk_size_outside_the_supported_range():
     with pytest.raises(InvalidRequestError, match=r"chunk_size must be in \[128, 2048\], got 64"):
         LLM(chunk_size=64)
+
+
+def test_a_negative_step_overhead_is_refused():
+    message = r"step_overhead_tokens must be an integer >= 0, got -2"
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(device="cpu", step_overhead_tokens=-2)
 
 
 def test_generation_stops_at_the_context_limit():
