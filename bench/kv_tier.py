@@ -67,6 +67,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--step-overhead-tokens", type=int, default=0,
+        help="the engine's step_overhead_tokens (0, the default: bursts are not split)",
+    )  # fmt: skip
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"{QUICK['conversations']} conversations, a pool of {QUICK['pool_conversations']}",
@@ -115,7 +119,8 @@ class Mode:
         self.busy_s = 0.0  # the time of its steps so far
         self._step_started: float | None = None
         config = EngineConfig(num_threads=args.threads, num_blocks=num_blocks,
-                              kv_offload_gb=tier_gb)  # fmt: skip
+                              kv_offload_gb=tier_gb,
+                              step_overhead_tokens=args.step_overhead_tokens)  # fmt: skip
         self.engine = LLMEngine(config, clock=self.clock)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                      ignore_eos=True)  # fmt: skip
@@ -273,7 +278,8 @@ def main() -> None:
         for name, value in ratios.items()
     }  # fmt: skip
     setup = {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
-             "user_tokens", "max_tokens", "concurrency", "pool_conversations")}  # fmt: skip
+             "user_tokens", "max_tokens", "concurrency", "pool_conversations",
+             "step_overhead_tokens")}  # fmt: skip
     print(json.dumps({
         **ratios, "targets": targets, "replies_identical": f"{same}/{len(replies[0])}",
         "oracle_prefill_tokens_ratio": round(oracle / off["prefill_tokens"], 4),

@@ -19,10 +19,6 @@ AttentionBackendName = Literal["auto", "sdpa", "cpu_paged", "flashinfer", "flash
 KVCacheDtype = Literal["auto", "int8"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "int8")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 128, 2048
-# The bundled model's prompt steps on the CPU cost 11-35 ms plus 1.0-2.1 ms a token (one or two
-# threads, int4 or fp32 weights: docs/engine.md): a step's fixed cost is 10-17 tokens' worth
-# on fresh prompts, more beside a cached context.
-DEFAULT_CPU_STEP_OVERHEAD_TOKENS = 16
 # Decode steps are captured as CUDA graphs at these batch sizes (up to max_num_seqs); a step of n
 # decodes replays the smallest one >= n, the padding rows writing to a scratch block.
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 8), *range(272, 1025, 16))
@@ -115,12 +111,11 @@ class EngineConfig:
     # and decode tokens of running requests ride along in the same step.
     chunk_size: int = 512
     # What one step's fixed cost (reading the weights, launches, Python) is worth in prompt
-    # tokens' compute. A burst of prompts one step could take is split over a few steps where
-    # that gives the smaller sum of first-token waits (engine/scheduler.py). None (the
-    # default) becomes DEFAULT_CPU_STEP_OVERHEAD_TOKENS on the CPU and 0 on CUDA; 0: not
-    # weighed, every prompt that fits joins its step (a GPU step's fixed cost is worth
-    # thousands of prompt tokens).
-    step_overhead_tokens: int | None = None
+    # tokens' compute. Above 0, a burst of prompts one step could take is split over a few steps
+    # where that gives the smaller sum of first-token waits (engine/scheduler.py); 0 (the
+    # default) does not weigh it: every prompt that fits joins its step. The bundled model on a
+    # CPU: ~16 (docs/engine.md); a GPU step's fixed cost is worth thousands of prompt tokens.
+    step_overhead_tokens: int = 0
     max_num_seqs: int = 64
     # New requests are admitted only while at most this fraction of blocks is in use, which keeps
     # headroom for running requests to grow; cached free blocks are reclaimed (LRU) before any
@@ -158,9 +153,6 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", default_dtype(device))
-        if self.step_overhead_tokens is None:
-            default = 0 if device.startswith("cuda") else DEFAULT_CPU_STEP_OVERHEAD_TOKENS
-            object.__setattr__(self, "step_overhead_tokens", default)
         if not isinstance(self.step_overhead_tokens, int) or self.step_overhead_tokens < 0:
             raise InvalidRequestError(
                 f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}"

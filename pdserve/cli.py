@@ -171,8 +171,7 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("chunk_size", "PDSERVE_CHUNK_SIZE", "Prefill chunk.", EngineConfig),
         Option("step_overhead_tokens", "PDSERVE_STEP_OVERHEAD_TOKENS",
                "A step's fixed cost in prompt tokens' compute, to split a burst of prompts over "
-               "steps by; -1 = the device's (16 on the CPU, 0 on CUDA); 0 = never split.",
-               own_default=-1),
+               "steps by (~16 on a CPU); 0 = never split.", EngineConfig),
         Option("num_blocks", "PDSERVE_NUM_BLOCKS", "KV cache blocks.", EngineConfig),
         DRAIN_GRACE,
         Option("registry_ttl_s", "PDSERVE_REGISTRY_TTL_S", "Registry key TTL.", WorkerSettings),
@@ -228,8 +227,6 @@ def _worker_settings(
 ) -> WorkerSettings:
     engine = _settings_of(
         EngineConfig, options, values, num_threads=values["threads"] or None,
-        step_overhead_tokens=None if values["step_overhead_tokens"] == -1
-        else values["step_overhead_tokens"],
         kv_offload_path=values["kv_offload_path"] or None,
     )  # fmt: skip
     return _settings_of(

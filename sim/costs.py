@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from engine.config import DEFAULT_CPU_STEP_OVERHEAD_TOKENS, ModelConfig
+from engine.config import ModelConfig
 from engine.quantization import PLAIN_MAX_ROWS
 from engine.scheduler import ScheduledRequest
 
@@ -64,9 +64,6 @@ class CostModel(Protocol):
     model: ModelConfig
     hop_s: float  # one message between two processes (client, router, workers)
     host_copy_bytes_per_s: float  # the host KV tier's copies, either way (engine/kv_tier.py)
-    # What the modelled device's engine resolves EngineConfig.step_overhead_tokens to: the
-    # simulated engines run with it, as the real ones on that device would.
-    step_overhead_tokens: int
 
     @property
     def kv_bytes_per_token(self) -> int: ...
@@ -125,7 +122,6 @@ class LocalCost:
     # AVX-512 host (2.8 GB/s on the AMD one); one memory-to-memory copy per block.
     host_copy_bytes_per_s: float = 10e9
     num_cores: int = 2
-    step_overhead_tokens: int = DEFAULT_CPU_STEP_OVERHEAD_TOKENS
     model: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -205,7 +201,6 @@ class RooflineCost:
     hop_s: float = 100e-6  # one RPC inside a data centre
     # The host KV tier in page-locked host memory: DMA over the GPU's PCIe Gen5 x16 link.
     host_copy_bytes_per_s: float = 50e9
-    step_overhead_tokens: int = 0  # a CUDA engine's: every prompt that fits joins its step
 
     @property
     def layer_params(self) -> int:

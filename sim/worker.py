@@ -257,9 +257,6 @@ class SimWorker:
         self.cores = cores
         self.runner = CostModelRunner(cost, self.clock, spec.speed_factor, cores,
                                       config.block_size)  # fmt: skip
-        # The step-overhead setting the modelled device's engine would resolve to (the
-        # simulator itself runs on a CPU, where EngineConfig resolves the CPU's).
-        config = replace(config, step_overhead_tokens=cost.step_overhead_tokens)
         self.engine = LLMEngine(
             config, model_config=cost.model, tokenizer=SimTokenizer(),  # type: ignore[arg-type]
             runner=self.runner, clock=self.clock,  # type: ignore[arg-type]

@@ -20,10 +20,7 @@ def prompt(n: int, first: int = 100) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine():
-    # step_overhead_tokens 0: every prompt that fits joins its step, the orders asserted here
-    # (how a burst is split over steps: tests/sim/test_step_packing.py).
-    config = EngineConfig(num_blocks=64, chunk_size=CHUNK, num_threads=1, device="cpu",
-                          step_overhead_tokens=0)  # fmt: skip
+    config = EngineConfig(num_blocks=64, chunk_size=CHUNK, num_threads=1, device="cpu")
     return LLMEngine(config)
 
 

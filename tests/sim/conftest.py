@@ -32,7 +32,6 @@ class LinearCost:
     hop_s: float = 0.001
     host_copy_bytes_per_s: float = 65_536_000.0
     kv_bytes_per_token: int = 4096
-    step_overhead_tokens: int = 0  # every prompt that fits joins its step (as on a GPU)
     model: ModelConfig = field(default=TINY_MODEL)
 
     def step_s(self, shape: StepShape) -> float:

@@ -1,7 +1,7 @@
 """How the engine's scheduler packs prompts that arrive together, over the simulator's
 cost-model runner (the real LLMEngine, stepped by hand): a burst one step could take is split
-by the step's fixed cost in prompt tokens (EngineConfig.step_overhead_tokens), a backlog and
-an engine that does not weigh it (0, a GPU's) pack every prompt that fits."""
+by the step's fixed cost in prompt tokens (EngineConfig.step_overhead_tokens); a backlog, and
+the default (0: not weighed), pack every prompt that fits."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from sim.clock import VirtualTimeLoop
-from sim.costs import LLAMA3_8B, LocalCoefficients, LocalCost, RooflineCost
 from sim.worker import SimWorker, WorkerSpec
 from tests.sim.conftest import LinearCost
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-CONFIG = EngineConfig(num_blocks=256)  # steps of 512 tokens
 
 
 @pytest.fixture
@@ -27,9 +25,9 @@ def loop() -> Iterator[VirtualTimeLoop]:
     loop.close()
 
 
-def worker(loop: VirtualTimeLoop, step_overhead_tokens: int) -> SimWorker:
-    cost = LinearCost(step_overhead_tokens=step_overhead_tokens)
-    return SimWorker(WorkerSpec("w", "aggregated"), CONFIG, cost, loop)
+def worker(loop: VirtualTimeLoop, **settings) -> SimWorker:
+    config = EngineConfig(num_blocks=256, **settings)  # steps of 512 tokens
+    return SimWorker(WorkerSpec("w", "aggregated"), config, LinearCost(), loop)
 
 
 def step(worker: SimWorker) -> None:
@@ -53,7 +51,7 @@ def computed(requests) -> list[int]:
 def test_where_compute_dominates_a_burst_takes_a_step_per_prompt(loop):
     # A step's fixed cost is 10 tokens' worth: a second 48-token prompt would delay the first
     # by 48 tokens' compute to save the three waiting 30. Each gets its token a step apart.
-    w = worker(loop, 10)
+    w = worker(loop, step_overhead_tokens=10)
     prompts = burst(w, 48)
     step(w)
     assert computed(prompts) == [48, 0, 0, 0]
@@ -68,7 +66,7 @@ def test_where_compute_dominates_a_burst_takes_a_step_per_prompt(loop):
 def test_where_the_fixed_cost_dominates_a_burst_packs_until_a_prompt_costs_more(loop):
     # 100 tokens' worth: prompts join while (1 + waiting behind) x 100 >= (in the step) x 48:
     # the second (300 >= 48) and the third (200 >= 96); not the fourth (100 < 144).
-    w = worker(loop, 100)
+    w = worker(loop, step_overhead_tokens=100)
     prompts = burst(w, 48)
     step(w)
     assert computed(prompts) == [48, 48, 48, 0]
@@ -78,23 +76,14 @@ def test_where_the_fixed_cost_dominates_a_burst_packs_until_a_prompt_costs_more(
 
 def test_a_backlog_packs_the_step(loop):
     # 800 prompt tokens are more than a step takes: every prompt that fits joins.
-    w = worker(loop, 10)
+    w = worker(loop, step_overhead_tokens=10)
     prompts = burst(w, 200)
     step(w)
     assert computed(prompts) == [200, 200, 112, 0]
 
 
-def test_an_engine_that_does_not_weigh_the_fixed_cost_packs_the_step(loop):
-    w = worker(loop, 0)
+def test_by_default_a_burst_packs_the_step(loop):
+    w = worker(loop)
     prompts = burst(w, 48)
     step(w)
     assert computed(prompts) == [48, 48, 48, 48]
-
-
-def test_simulated_engines_run_with_the_modelled_devices_setting(loop):
-    # The simulator runs on a CPU, where an EngineConfig resolves the CPU's default; its
-    # engines take the modelled device's from the cost model instead.
-    cpu = EngineConfig(device="cpu").step_overhead_tokens
-    assert cpu == LocalCost(LocalCoefficients.load()).step_overhead_tokens == 16
-    assert RooflineCost(LLAMA3_8B).step_overhead_tokens == 0
-    assert worker(loop, 0).engine.config.step_overhead_tokens == 0
