@@ -35,12 +35,15 @@ def step(worker: SimWorker) -> None:
     worker.clock.offset_s = 0.0  # the step is over: its modelled time leaves the clock
 
 
-def burst(worker: SimWorker, num_tokens: int, num_prompts: int = 4) -> list:
+def burst(worker: SimWorker, num_tokens: int, prefix: list[int] | None = None) -> list:
+    """Four prompts of num_tokens tokens of their own, after a shared prefix if given."""
     return [
         worker.engine.add_request(
-            f"b{i}", list(range(20_000 + 1000 * i, 20_000 + 1000 * i + num_tokens)), PARAMS
+            f"b{i}",
+            (prefix or []) + list(range(20_000 + 1000 * i, 20_000 + 1000 * i + num_tokens)),
+            PARAMS,
         )
-        for i in range(num_prompts)
+        for i in range(4)
     ]
 
 
@@ -72,6 +75,20 @@ def test_where_the_fixed_cost_dominates_a_burst_packs_until_a_prompt_costs_more(
     assert computed(prompts) == [48, 48, 48, 0]
     step(w)
     assert computed(prompts) == [49, 49, 49, 48]
+
+
+def test_a_burst_is_weighed_by_the_tokens_it_computes_past_a_cached_prefix(loop):
+    # Four 448-token prompts behind a cached 400-token prefix compute 48 tokens each, as the
+    # burst above: 192 tokens are no backlog, and they pack 3 then 1. Weighed by their whole
+    # prompts (1,792 tokens) they would be a backlog and all four would join.
+    w = worker(loop, step_overhead_tokens=100)
+    prefix = list(range(5_000, 5_400))  # 25 full blocks
+    w.engine.add_request("warm", [*prefix, 1], PARAMS)
+    while w.engine.has_unfinished_requests():
+        step(w)
+    prompts = burst(w, 48, prefix)
+    step(w)
+    assert computed(prompts) == [448, 448, 448, 0]
 
 
 def test_a_backlog_packs_the_step(loop):
