@@ -53,7 +53,11 @@ class Scheduler:
     def num_queued_tokens(self) -> int:
         """Tokens still to be prefilled, waiting or in flight: the prefill load signal."""
         queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        return queued + sum(
+        return queued + self._running_prefill_tokens()
+
+    def _running_prefill_tokens(self) -> int:
+        """Prompt tokens the running prefills have still to compute."""
+        return sum(
             r.num_tokens - r.num_computed_tokens for r in self.running if r.num_output_tokens == 0
         )
 
@@ -142,10 +146,12 @@ class Scheduler:
         weighed) every prompt that fits joins. A prompt that would not complete (a long one's
         chunk) always joins: its first token is steps away either way."""
         overhead_tokens = self.config.step_overhead_tokens
+        if overhead_tokens == 0:  # the default: nothing to weigh on the admission path
+            return True
         completing = sum(
             item.completes_pass and item.request.num_output_tokens == 0 for item in batch
         )
-        if overhead_tokens == 0 or completing == 0 or self._has_backlog():
+        if completing == 0 or self._has_backlog():
             return True
         num_new = request.num_tokens - self._cached_tokens(request)
         if num_new > budget:
@@ -160,11 +166,7 @@ class Scheduler:
         what it has not forwarded yet."""
         if self._backlog is None:
             budget = self.config.chunk_size
-            pending = sum(
-                r.num_tokens - r.num_computed_tokens
-                for r in self.running
-                if r.num_output_tokens == 0
-            )
+            pending = self._running_prefill_tokens()
             for request in self.waiting:
                 if pending > budget:
                     break
