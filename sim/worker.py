@@ -267,6 +267,9 @@ class SimWorker:
         self.timeline = Timeline()
         self.num_steps = 0
         self._wake = asyncio.Event()
+        self._idle = False  # run() waits for work
+        # The step begun and not yet run: its outputs, modelled seconds and start.
+        self._begun: tuple[list[StepOutput], float, float] | None = None
         self._step_end: asyncio.Future[None] | None = None  # the step in progress, if any
 
     @property
@@ -274,8 +277,22 @@ class SimWorker:
         return self.spec.worker_id
 
     def kick(self) -> None:
-        """Something changed outside a step (a request queued, committed, aborted)."""
+        """Something changed outside a step (a request queued, committed, aborted). An idle
+        worker starts its next step at once, as the real engine thread wakes on the command
+        that queued the work: whatever reaches it later, even at the same virtual instant,
+        waits for that step (between_steps) instead of joining it."""
+        if self._idle and self._begun is None:
+            self._begin_step()
         self._wake.set()
+
+    def _begin_step(self) -> None:
+        """Schedules and models the next step, if there is one to run: the engine's step()
+        now, its modelled time spent by run()."""
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        seconds, self.clock.offset_s = self.clock.offset_s, 0.0
+        if seconds > 0.0:  # 0: idle, or nothing schedulable until something changes
+            self._begun = (outputs, seconds, self.loop.time())
+            self._step_end = self.loop.create_future()
 
     async def between_steps(self) -> None:
         """EngineLoop.call: what the services ask of the engine waits for the step in
@@ -299,22 +316,25 @@ class SimWorker:
         """EngineLoop's loop on virtual time: step while there is work, sleep the step's
         modelled duration, then publish the stats snapshot and hand out the outputs."""
         while True:
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            seconds, self.clock.offset_s = self.clock.offset_s, 0.0
-            if seconds == 0.0:  # idle, or nothing schedulable until something changes
+            if self._begun is None:
+                self._begin_step()
+            if self._begun is None:
                 self.stats = self.engine.stats()
                 self._wake.clear()
+                self._idle = True
                 await self._wake.wait()
+                self._idle = False
                 continue
-            started = self.loop.time()
+            outputs, seconds, started = self._begun
             self.num_steps += 1
-            self._step_end = self.loop.create_future()
+            assert self._step_end is not None
             try:
                 if self.cores is None:
-                    await asyncio.sleep(seconds)
+                    await asyncio.sleep(max(0.0, started + seconds - self.loop.time()))
                 else:
                     await self.cores.run(self.runner.last_shape, self.runner.last_alone_s)
             finally:
+                self._begun = None
                 self._step_end.set_result(None)
                 self._step_end = None
             self.timeline.busy.append((started, self.loop.time()))
