@@ -374,6 +374,8 @@ class Simulation:
                 if request is None:  # a Sequential source with no more for this client
                     return
                 remaining[0] -= 1
+                if request.think_s:
+                    await asyncio.sleep(request.think_s)
                 record = await self.serve(request)
                 if record.status == 429:  # back off as Retry-After says, then send the next
                     await asyncio.sleep(1.0)

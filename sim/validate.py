@@ -10,7 +10,8 @@ workers on cores of their own still share memory bandwidth and caches), then eve
 - prompt_mix: bench/serve.py's workload at its default scale: the prefill-tuning mix with
   lengths x0.2 (13-51 / 205-819 tokens), 8 output tokens;
 - chat: multi-turn conversations (sim/workload.py's Conversations) whose turns share their
-  prefix with the turn before, so the prefix cache and the router's prefix index matter.
+  prefix with the turn before, so the prefix cache and the router's prefix index matter; each
+  turn is sent after a pause of 0-1 s (the user reading and typing).
 
 Each runs 4 closed-loop clients, the router's length buckets and prefill budget scaled like
 the prompts. Workers are pinned to cores of their own where there are enough (1P+1D, the
@@ -282,6 +283,8 @@ async def _closed_loop(url: str, requests: Sequential, num_requests: int, concur
     async def client(index: int, http: httpx.AsyncClient) -> None:
         while remaining[0] > 0 and (item := requests.next(index)) is not None:
             remaining[0] -= 1
+            if item.think_s:
+                await asyncio.sleep(item.think_s)
             outcome = await _send(http, url, item)
             outcomes.append(outcome)
             if outcome[1] is None:  # refused: back off as the simulated client does

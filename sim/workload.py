@@ -19,6 +19,7 @@ class SimRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     client: int = 0  # closed loop: which client sent it
+    think_s: float = 0.0  # closed loop: the client pauses this long before sending it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,18 +138,25 @@ class Conversations:
     """Multi-turn chat: every turn after the first sends the whole conversation so far (the
     earlier prompt, its reply, a new user message), so it shares its prefix with the turn
     before. Replies are drawn tokens, not the model's: a real run and the simulator send the
-    same prompts, and the prefix a turn shares is the earlier turn's prompt and reply."""
+    same prompts, and the prefix a turn shares is the earlier turn's prompt and reply.
+
+    A user reads and types before each turn (the first too): the client pauses a time drawn
+    uniformly in think_s. Closed-loop clients that never pause fall into step with each other,
+    so that which turns meet in the router's queue, and the TTFT median with it, depends on
+    where the first seconds left them; the pauses keep them apart, as users are."""
 
     num_turns: int = 4
     first_tokens: tuple[int, int] = (128, 384)  # system prompt and first message, uniform
     user_tokens: tuple[int, int] = (16, 64)  # each later message
     output_tokens: int = 16  # every reply
+    think_s: tuple[float, float] = (0.0, 1.0)
     vocab: tuple[int, int] = (1000, 40000)
 
     def draw(self, num_conversations: int, seed: int) -> list[list[SimRequest]]:
         """Each conversation's turns, in the order they are sent."""
         lengths = random.Random(seed)
         tokens = np.random.default_rng(seed + 1_000_003)
+        pauses = random.Random(seed + 2_000_003)  # its own: the prompts do not depend on it
         conversations = []
         for c in range(num_conversations):
             history = tokens.integers(*self.vocab, lengths.randint(*self.first_tokens)).tolist()
@@ -158,7 +166,9 @@ class Conversations:
                     reply = tokens.integers(*self.vocab, self.output_tokens).tolist()
                     message = tokens.integers(*self.vocab, lengths.randint(*self.user_tokens))
                     history = history + reply + message.tolist()
-                turns.append(SimRequest(f"c{c:04d}-t{t}", history, self.output_tokens))
+                think_s = pauses.uniform(*self.think_s)
+                turns.append(SimRequest(f"c{c:04d}-t{t}", history, self.output_tokens,
+                                        think_s=think_s))  # fmt: skip
             conversations.append(turns)
         return conversations
 

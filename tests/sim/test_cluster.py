@@ -13,7 +13,7 @@ from router.settings import AdmissionSettings
 from sim.cluster import ClusterConfig, RouterMeter
 from sim.scenario import Scenario, simulate
 from sim.worker import WorkerSpec
-from sim.workload import ClosedLoop, LengthMix, OpenLoop
+from sim.workload import ClosedLoop, LengthMix, OpenLoop, Sequential, SimRequest
 from tests.sim.conftest import LinearCost, pd_cluster
 
 PROMPT_100 = LengthMix("fixed", prompt_tokens=100, output_tokens=(5, 5))
@@ -50,6 +50,19 @@ def test_an_idle_worker_starts_a_step_on_the_first_arrival(cost: LinearCost):
     assert [r.ttft_s for r in result.records] == pytest.approx(
         [step + 4 * cost.hop_s, 2 * step + 4 * cost.hop_s], abs=1e-9
     )
+
+
+def test_a_closed_loop_client_pauses_before_each_request_it_sends(cost: LinearCost):
+    """One client, two requests with pauses of 0.5 s and 0.25 s: the first is sent at 0.5 s,
+    the second 0.25 s after the first's reply reached the client."""
+    turns = [SimRequest(f"t{i}", list(range(1000, 1100)), 5, think_s=pause)
+             for i, pause in enumerate((0.5, 0.25))]  # fmt: skip
+    result = simulate(Scenario("pauses", pd_cluster(), PROMPT_100, ClosedLoop(1, 2)), cost,
+                      source=Sequential([turns]))  # fmt: skip
+    first, second = result.records
+    assert first.sent_s == pytest.approx(0.5, abs=1e-9)
+    assert first.e2e_s is not None
+    assert second.sent_s == pytest.approx(0.5 + first.e2e_s + 0.25, abs=1e-9)
 
 
 def test_a_burst_over_the_queue_limit_gets_exact_429s(cost: LinearCost):

@@ -17,6 +17,17 @@ def test_each_turn_sends_the_conversation_so_far_and_a_new_message():
     assert chat.draw(1, seed=6) != [turns]
 
 
+def test_a_user_pauses_before_each_turn_without_changing_the_prompts():
+    chat = Conversations(num_turns=3, first_tokens=(10, 10), user_tokens=(4, 4), output_tokens=2)
+    (turns,) = chat.draw(1, seed=5)
+    pauses = [t.think_s for t in turns]
+    assert all(0.0 <= p <= 1.0 for p in pauses) and len(set(pauses)) == 3
+    (unhurried,) = Conversations(num_turns=3, first_tokens=(10, 10), user_tokens=(4, 4),
+                                 output_tokens=2, think_s=(2.0, 2.0)).draw(1, seed=5)  # fmt: skip
+    assert [t.think_s for t in unhurried] == [2.0, 2.0, 2.0]
+    assert [t.prompt_token_ids for t in unhurried] == [t.prompt_token_ids for t in turns]
+
+
 def test_a_client_sends_one_conversations_turns_in_order_then_takes_the_next():
     def conversation(name: str) -> list[SimRequest]:
         return [SimRequest(f"{name}{t}", [t], 1) for t in range(2)]
