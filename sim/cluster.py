@@ -477,7 +477,7 @@ class Simulation:
             await asyncio.sleep(hop)  # decode -> router
             raise OverloadedError("decode_kv", str(e), 1.0) from e
         if not sink.done.done():
-            worker.listen(request.request_id, lambda o: sink.on_output(o, self.loop.time()))
+            worker.listen(request.request_id, lambda o: self._stream(sink, o))
             worker.kick()
         first_s = await sink.first
         await asyncio.sleep(max(0.0, first_s + hop - self.loop.time()))  # decode -> router
@@ -526,8 +526,15 @@ class Simulation:
         await asyncio.sleep(hop)
         await decode.between_steps()
         first = decode.engine.commit_remote_prefill(rid, output.new_token_ids[0])
-        sink.on_output(first, self.loop.time())
+        self._stream(sink, first)
         return [reserved, prefill_request]
+
+    def _stream(self, sink: _Sink, output: StepOutput) -> None:
+        """A worker's output for one request, on its way to the client: the host processes'
+        work for its tokens runs beside the steps."""
+        sink.on_output(output, self.loop.time())
+        if self.cores is not None:
+            self.cores.tokens_streamed(len(output.new_token_ids))
 
     async def _fetch_prefix(self, prefill: SimWorker, prompt: list[int],
                             num_held_blocks: int) -> list[int]:  # fmt: skip

@@ -61,6 +61,12 @@ CALIBRATION_REQUESTS, CALIBRATION_SEED_OFFSETS = 40, (1000, 2000)
 # is taken out of the calibration runs' CPU per request (host_cpu_s).
 IDLE_S = 10.0
 STEP_SUM = "pdserve_engine_step_seconds_sum"
+# What a streamed token costs the host processes (the router and the client, each handling the
+# token), as a share of what a request costs them apart from its tokens (parsing, placing,
+# opening and closing its stream): on the Zen 4 host, 0.6 ms a token and 5.3 ms a request,
+# from windows of 1 and of 33 output tokens (docs/measurements.md). validate's windows all
+# stream the same number of tokens, so the total they measure is split by this share.
+HOST_CPU_PER_TOKEN = 0.11
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +104,26 @@ class Measured:
     ttft_p99_s: float
     num_completed: int
     wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class HostCPU:
+    """The router's, the client's and Redis's CPU (CoreShare): per request, before it is
+    placed, and per token streamed."""
+
+    per_request_s: float = 0.0
+    per_token_s: float = 0.0
+
+    @classmethod
+    def split(cls, total_s: float, num_output_tokens: int) -> HostCPU:
+        """A request's total (host_cpu_s) split by HOST_CPU_PER_TOKEN."""
+        per_request_s = total_s / (1.0 + HOST_CPU_PER_TOKEN * num_output_tokens)
+        return cls(per_request_s, HOST_CPU_PER_TOKEN * per_request_s)
+
+
+def output_tokens(workload: str) -> int:
+    """What each request of the workload streams."""
+    return CHAT.output_tokens if workload == "chat" else MAX_TOKENS
 
 
 def source(workload: str, num_requests: int, seed: int) -> Sequential:
@@ -146,18 +172,18 @@ def pinned(cores: list[int]):
 def predict(
     shape: Shape, requests: Sequential, num_requests: int, coefficients: LocalCoefficients,
     num_cores: int, beside: LocalCoefficients | None = None,
-    in_situ: dict[Role, float] | None = None, host_cpu_s_per_request: float = 0.0,
+    in_situ: dict[Role, float] | None = None, host_cpu: HostCPU = HostCPU(),
 ) -> tuple[Measured, dict[str, float]]:  # fmt: skip
     """The simulated run's numbers, and each worker's seconds inside (modelled) steps.
     beside: the fit with a neighbour worker stepping (None: workers do not slow each other
     below the core count); in_situ: each role's step-time factor (in_situ_factors);
-    host_cpu_s_per_request: the router's, client's and Redis's CPU per request (host_cpu_s),
-    run beside the steps (CoreShare)."""
+    host_cpu: the router's, client's and Redis's CPU, run beside the steps (CoreShare)."""
     cost = LocalCost(coefficients, num_cores=num_cores)
     neighbours = None if beside is None else LocalCost(beside, num_cores=num_cores)
     cores = CoreShare(num_cores, beside=neighbours, alone=cost,
                       threads_per_step=coefficients.threads,
-                      host_cpu_s_per_request=host_cpu_s_per_request)  # fmt: skip
+                      host_cpu_s_per_request=host_cpu.per_request_s,
+                      host_cpu_s_per_token=host_cpu.per_token_s)  # fmt: skip
     factors = in_situ or {}
     kinds: tuple[tuple[Role, int], ...] = (
         ("prefill", shape.num_prefill), ("decode", shape.num_decode),
@@ -344,24 +370,28 @@ def run(num_requests: int = 200, seed: int = 0, out_dir: Path | None = None,
             real, spent = measure(shape, source(workload, num_requests, seed), num_requests,
                                   cores, log_dir, (first, second))  # fmt: skip
             host_s = host_cpu_s(spent)
+            host = HostCPU.split(host_s, output_tokens(workload))
             calibration_steps: dict[str, float] = {}
             for offset in CALIBRATION_SEED_OFFSETS:
                 _, steps = predict(shape, source(workload, CALIBRATION_REQUESTS, seed + offset),
                                    CALIBRATION_REQUESTS, coefficients, len(cores), neighbours,
-                                   host_cpu_s_per_request=host_s)  # fmt: skip
+                                   host_cpu=host)  # fmt: skip
                 for worker_id, seconds in steps.items():
                     calibration_steps[worker_id] = calibration_steps.get(worker_id, 0.0) + seconds
             in_situ = in_situ_factors(spent["calibration_step_s"], calibration_steps)
             sim, sim_steps = predict(shape, source(workload, num_requests, seed), num_requests,
                                      coefficients, len(cores), neighbours, in_situ,
-                                     host_s)  # fmt: skip
+                                     host)  # fmt: skip
             fitted, fitted_steps = predict(shape, source(workload, num_requests, seed),
                                            num_requests, coefficients, len(cores),
                                            neighbours)  # fmt: skip
             runs[label] = {"real": _round(real), "sim": _round(sim), **_errors(sim, real),
                            "real_cpu_s": spent["cpu_s"], "real_step_s": spent["step_s"],
                            "sim_step_s": sim_steps, "in_situ_factors": in_situ,
+                           "real_calibration_step_s": spent["calibration_step_s"],
                            "host_cpu_ms_per_request": round(1e3 * host_s, 2),
+                           "host_cpu_ms_split": {"per_request": round(1e3 * host.per_request_s, 2),
+                                                 "per_token": round(1e3 * host.per_token_s, 3)},
                            "sim_without_in_situ": _round(fitted),
                            "sim_step_s_without_in_situ": fitted_steps,
                            "errors_without_in_situ": _errors(fitted, real)}  # fmt: skip

@@ -79,19 +79,21 @@ class CoreShare:
     starts or ends, so a long step that began among others speeds up once they finish, as it
     does on the real cores.
 
-    The host work is the router's, the client's and Redis's CPU (host_cpu_s_per_request,
-    measured in situ: sim/validate.py), as one burst when each request arrives, which the
-    request waits for before the router places it: the real router parses, tokenizes and
-    places a request before it forwards it, so that work runs beside the steps in progress,
-    not beside the request's own prefill. In a closed loop a request arrives when the last
-    one ended, the moment the router forwards one stream's end and the next request, and the
-    client reads the one and sends the other."""
+    The host work is the router's, the client's and Redis's CPU, measured in situ
+    (sim/validate.py) and split as it falls: host_cpu_s_per_request as one burst when each
+    request arrives, which the request waits for before the router places it (the real router
+    parses and places a request before it forwards it, so that work runs beside the steps in
+    progress, not beside the request's own prefill), and host_cpu_s_per_token as a burst beside
+    the steps for each token streamed, which nothing waits for (the router and the client
+    handle each token as it comes; in a closed loop the end of one stream and the next request
+    come at once)."""
 
     num_cores: int
     beside: CostModel | None = None
     alone: CostModel | None = None  # the cost fitted without a neighbour, beside's baseline
     threads_per_step: int = 1
     host_cpu_s_per_request: float = 0.0
+    host_cpu_s_per_token: float = 0.0
     _running: list[_Running] = field(default_factory=list)
     _since: float = 0.0  # when the rates last changed
 
@@ -106,13 +108,23 @@ class CoreShare:
         return 1.0 / self._rate(step, [*self._running, step])
 
     async def request_arrived(self) -> None:
-        """The host processes' work for one request, run beside the steps; returns when it is
-        done."""
+        """The host processes' work for one request before it is placed, run beside the
+        steps; returns when it is done."""
         if self.host_cpu_s_per_request > 0:
-            loop = asyncio.get_running_loop()
-            burst = _Running(self.host_cpu_s_per_request, 1.0, 1, False, loop.create_future())
-            self._reshare(loop, add=burst)
-            await burst.done
+            await self._host_burst(self.host_cpu_s_per_request)
+
+    def tokens_streamed(self, num_tokens: int) -> None:
+        """The host processes' work for tokens streamed to the client, run beside the steps;
+        nothing waits for it."""
+        if self.host_cpu_s_per_token > 0 and num_tokens > 0:
+            self._host_burst(self.host_cpu_s_per_token * num_tokens)
+
+    def _host_burst(self, seconds: float) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        burst = _Running(seconds, 1.0, 1, False, loop.create_future())
+        self._reshare(loop, add=burst)
+        assert burst.done is not None
+        return burst.done
 
     def _ratio(self, shape: StepShape) -> float:
         if self.beside is None or self.alone is None:

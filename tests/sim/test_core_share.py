@@ -124,3 +124,20 @@ def test_the_estimate_for_a_step_about_to_start_counts_host_work_in_progress():
     during, after = run_virtual(main())
     assert during == pytest.approx(2.0)
     assert after == pytest.approx(1.0)
+
+
+def test_streamed_tokens_host_work_runs_beside_a_step_and_nothing_waits_for_it():
+    # One core: a 1 s step, and two tokens streamed at its start, 0.1 s of host work each.
+    # Both take half the core until the 0.2 s burst ends at 0.4 s; the step's last 0.8 s then
+    # runs alone.
+    cores = CoreShare(1, host_cpu_s_per_token=0.1)
+
+    async def main() -> float:
+        step = asyncio.ensure_future(cores.run(SHAPE, 1.0))
+        await asyncio.sleep(0)  # the step starts
+        cores.tokens_streamed(2)
+        await step
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(main()) == pytest.approx(1.2)
+    assert cores.num_busy == 0

@@ -9,8 +9,10 @@ import pytest
 from sim.costs import LocalCoefficients
 from sim.validate import (
     CALIBRATION_REQUESTS,
+    HOST_CPU_PER_TOKEN,
     IDLE_S,
     SHAPES,
+    HostCPU,
     host_cpu_s,
     in_situ_factors,
     predict,
@@ -65,12 +67,22 @@ def test_the_host_cpu_per_request_leaves_out_what_the_processes_spend_idle():
 
 
 def test_the_host_cpu_slows_the_simulated_steps_it_runs_beside():
-    def steps(host_s):
+    def steps(host: HostCPU):
         _, step_s = predict(ONE_P_ONE_D, source("prompt_mix", 12, seed=3), 12, COEFFICIENTS,
-                            num_cores=2, host_cpu_s_per_request=host_s)  # fmt: skip
+                            num_cores=2, host_cpu=host)  # fmt: skip
         return step_s
 
-    plain, busy = steps(0.0), steps(0.5)
+    plain, busy = steps(HostCPU()), steps(HostCPU(per_request_s=0.5))
     # Two single-thread workers and a half-second burst per request on two cores: whoever
     # steps beside a burst gets 2/3 of a core.
     assert busy["prefill-0"] > plain["prefill-0"] + 0.5
+    # A second a streamed token: 8 tokens a request, each a burst beside the decode steps.
+    streaming = steps(HostCPU(per_token_s=1.0))
+    assert streaming["decode-0"] > plain["decode-0"] + 0.5
+
+
+def test_the_host_cpu_measured_is_split_into_a_request_s_part_and_each_token_s():
+    host = HostCPU.split(0.030, 16)  # chat: 16 tokens a request
+    assert host.per_request_s == pytest.approx(0.030 / (1 + 16 * HOST_CPU_PER_TOKEN))
+    assert host.per_token_s == pytest.approx(HOST_CPU_PER_TOKEN * host.per_request_s)
+    assert host.per_request_s + 16 * host.per_token_s == pytest.approx(0.030)
