@@ -67,8 +67,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--step-overhead-tokens", type=int, default=0,
-        help="the engine's step_overhead_tokens (0, the default: bursts are not split)",
+        "--step-overhead-tokens", type=int, default=None,
+        help="the engine's step_overhead_tokens (default: the engine's, 16 on a CPU)",
     )  # fmt: skip
     parser.add_argument(
         "--quick",
@@ -278,8 +278,9 @@ def main() -> None:
         for name, value in ratios.items()
     }  # fmt: skip
     setup = {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens",
-             "user_tokens", "max_tokens", "concurrency", "pool_conversations",
-             "step_overhead_tokens")}  # fmt: skip
+             "user_tokens", "max_tokens", "concurrency", "pool_conversations")}  # fmt: skip
+    if args.step_overhead_tokens is not None:  # not the engine's default
+        setup["step_overhead_tokens"] = args.step_overhead_tokens
     print(json.dumps({
         **ratios, "targets": targets, "replies_identical": f"{same}/{len(replies[0])}",
         "oracle_prefill_tokens_ratio": round(oracle / off["prefill_tokens"], 4),

@@ -19,10 +19,21 @@ AttentionBackendName = Literal["auto", "sdpa", "cpu_paged", "flashinfer", "flash
 KVCacheDtype = Literal["auto", "int8"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "int8")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 128, 2048
+# A CPU step's fixed cost in prompt tokens' compute (EngineConfig.step_overhead_tokens): the
+# bundled model's, 17.5 ms + 1.08 ms a token at two threads (int4), 35 ms + 2.1 ms at one
+# (fp32), on the Zen 4 host (docs/engine.md). Larger models raise both terms alike.
+CPU_STEP_OVERHEAD_TOKENS = 16
 # Decode steps are captured as CUDA graphs at these batch sizes (up to max_num_seqs); a step of n
 # decodes replays the smallest one >= n, the padding rows writing to a scratch block.
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 8), *range(272, 1025, 16))
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]*))?")
+
+
+def step_overhead_tokens_for(device: str) -> int:
+    """EngineConfig.step_overhead_tokens' default: CPU_STEP_OVERHEAD_TOKENS on a CPU; 0 on a
+    GPU, whose step's fixed cost is worth thousands of prompt tokens (splitting would only
+    delay)."""
+    return CPU_STEP_OVERHEAD_TOKENS if device == "cpu" else 0
 
 
 def resolve_device(spec: str) -> str:
@@ -112,10 +123,11 @@ class EngineConfig:
     chunk_size: int = 512
     # What one step's fixed cost (reading the weights, launches, Python) is worth in prompt
     # tokens' compute. Above 0, a burst of prompts one step could take is split over a few steps
-    # where that gives the smaller sum of first-token waits (engine/scheduler.py); 0 (the
-    # default) does not weigh it: every prompt that fits joins its step. The bundled model on a
-    # CPU: ~16 (docs/engine.md); a GPU step's fixed cost is worth thousands of prompt tokens.
-    step_overhead_tokens: int = 0
+    # where that gives the smaller sum of first-token waits (engine/scheduler.py); 0 does not
+    # weigh it: every prompt that fits joins its step. None (the default): the device's
+    # (step_overhead_tokens_for), which the scheduler reads; the simulator's engines take the
+    # modelled device's instead of the host's.
+    step_overhead_tokens: int | None = None
     max_num_seqs: int = 64
     # New requests are admitted only while at most this fraction of blocks is in use, which keeps
     # headroom for running requests to grow; cached free blocks are reclaimed (LRU) before any
@@ -153,7 +165,8 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", default_dtype(device))
-        if not isinstance(self.step_overhead_tokens, int) or self.step_overhead_tokens < 0:
+        overhead = self.step_overhead_tokens
+        if overhead is not None and (not isinstance(overhead, int) or overhead < 0):
             raise InvalidRequestError(
                 f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}"
             )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, step_overhead_tokens_for
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 
@@ -28,6 +28,10 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        overhead = config.step_overhead_tokens
+        self.step_overhead_tokens = (
+            step_overhead_tokens_for(config.device) if overhead is None else overhead
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
         # The last step could not admit a waiting request (the watermark, the free blocks):
@@ -140,13 +144,13 @@ class Scheduler:
         burst one step could take is split to keep the sum of the first-token waits small:
         joining delays the prompts completing in the step already by its compute; waiting for
         the next step delays it, and each other waiting prompt, by one more step's fixed cost
-        (config.step_overhead_tokens, in prompt tokens' compute). It joins when that is the
+        (step_overhead_tokens, in prompt tokens' compute). It joins when that is the
         larger delay. On a CPU, where compute grows with the tokens, a few prompts arriving
         together spread over a few steps; where the fixed cost dominates (a GPU: 0, not
         weighed) every prompt that fits joins. A prompt that would not complete (a long one's
         chunk) always joins: its first token is steps away either way."""
-        overhead_tokens = self.config.step_overhead_tokens
-        if overhead_tokens == 0:  # the default: nothing to weigh on the admission path
+        overhead_tokens = self.step_overhead_tokens
+        if overhead_tokens == 0:  # a GPU's: nothing to weigh on the admission path
             return True
         completing = sum(
             item.completes_pass and item.request.num_output_tokens == 0 for item in batch

@@ -97,6 +97,11 @@ def _settings_of(cls: type, options: Sequence[Option], values: dict[str, Any], *
     return cls(**{o.name: values[o.name] for o in options if o.of is cls}, **rest)
 
 
+def _or_none_below_0(value: int) -> int | None:
+    """The command line's -1: the field's None (a default resolved by the device)."""
+    return None if value < 0 else value
+
+
 def _tls(cert_file: str, key_file: str, ca_file: str) -> TLSFiles:
     return TLSFiles(cert_file or None, key_file or None, ca_file or None)  # "": no file
 
@@ -171,7 +176,8 @@ def _worker_options(port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("chunk_size", "PDSERVE_CHUNK_SIZE", "Prefill chunk.", EngineConfig),
         Option("step_overhead_tokens", "PDSERVE_STEP_OVERHEAD_TOKENS",
                "A step's fixed cost in prompt tokens' compute, to split a burst of prompts over "
-               "steps by (~16 on a CPU); 0 = never split.", EngineConfig),
+               "steps by; 0 = never split; -1 = the device's (16 on a CPU, 0 on a GPU).",
+               own_default=-1),
         Option("num_blocks", "PDSERVE_NUM_BLOCKS", "KV cache blocks.", EngineConfig),
         DRAIN_GRACE,
         Option("registry_ttl_s", "PDSERVE_REGISTRY_TTL_S", "Registry key TTL.", WorkerSettings),
@@ -228,6 +234,7 @@ def _worker_settings(
     engine = _settings_of(
         EngineConfig, options, values, num_threads=values["threads"] or None,
         kv_offload_path=values["kv_offload_path"] or None,
+        step_overhead_tokens=_or_none_below_0(values["step_overhead_tokens"]),
     )  # fmt: skip
     return _settings_of(
         WorkerSettings, options, values, role=role, redis_url=values["redis_url"],

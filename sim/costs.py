@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from engine.config import ModelConfig
+from engine.config import CPU_STEP_OVERHEAD_TOKENS, ModelConfig
 from engine.quantization import PLAIN_MAX_ROWS
 from engine.scheduler import ScheduledRequest
 
@@ -64,6 +64,8 @@ class CostModel(Protocol):
     model: ModelConfig
     hop_s: float  # one message between two processes (client, router, workers)
     host_copy_bytes_per_s: float  # the host KV tier's copies, either way (engine/kv_tier.py)
+    # The modelled device's default EngineConfig.step_overhead_tokens (step_overhead_tokens_for)
+    step_overhead_tokens: int
 
     @property
     def kv_bytes_per_token(self) -> int: ...
@@ -122,6 +124,7 @@ class LocalCost:
     # AVX-512 host (2.8 GB/s on the AMD one); one memory-to-memory copy per block.
     host_copy_bytes_per_s: float = 10e9
     num_cores: int = 2
+    step_overhead_tokens: int = CPU_STEP_OVERHEAD_TOKENS
     model: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -195,6 +198,7 @@ class RooflineCost:
     mfu: float = 0.5
     mbu: float = 0.8
     step_overhead_s: float = 0.002  # scheduler + launch per step (CPU side)
+    step_overhead_tokens: int = 0  # a GPU's: bursts are not split
     allreduce_latency_s: float = 10e-6
     kv_link_bytes_per_s: float = 50e9  # 400 Gb/s RDMA between nodes; NVLink within one
     kv_latency_s: float = 20e-6

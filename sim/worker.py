@@ -263,6 +263,8 @@ class SimWorker:
         self, spec: WorkerSpec, config: EngineConfig, cost: CostModel,
         loop: asyncio.AbstractEventLoop, cores: CoreShare | None = None,
     ) -> None:  # fmt: skip
+        if config.step_overhead_tokens is None:  # the modelled device's, not this host's
+            config = replace(config, step_overhead_tokens=cost.step_overhead_tokens)
         self.spec = spec
         self.loop = loop
         self.clock = StepClock(loop)

@@ -20,7 +20,10 @@ def prompt(n: int, first: int = 100) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(num_blocks=64, chunk_size=CHUNK, num_threads=1, device="cpu")
+    # Every prompt that fits joins its step: these tests are about the order within a step, not
+    # about splitting a burst over steps (tests/sim/test_step_packing.py).
+    config = EngineConfig(num_blocks=64, chunk_size=CHUNK, num_threads=1, device="cpu",
+                          step_overhead_tokens=0)  # fmt: skip
     return LLMEngine(config)
 
 

@@ -32,6 +32,7 @@ class LinearCost:
     hop_s: float = 0.001
     host_copy_bytes_per_s: float = 65_536_000.0
     kv_bytes_per_token: int = 4096
+    step_overhead_tokens: int = 0  # packs bursts, as a GPU; tests of the split set their own
     model: ModelConfig = field(default=TINY_MODEL)
 
     def step_s(self, shape: StepShape) -> float:

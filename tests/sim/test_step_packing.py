@@ -1,15 +1,17 @@
 """How the engine's scheduler packs prompts that arrive together, over the simulator's
 cost-model runner (the real LLMEngine, stepped by hand): a burst one step could take is split
 by the step's fixed cost in prompt tokens (EngineConfig.step_overhead_tokens); a backlog, and
-the default (0: not weighed), pack every prompt that fits."""
+a GPU's default (0: not weighed), pack every prompt that fits."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
 from engine import EngineConfig, SamplingParams
+from engine.config import CPU_STEP_OVERHEAD_TOKENS, step_overhead_tokens_for
 from sim.clock import VirtualTimeLoop
 from sim.worker import SimWorker, WorkerSpec
 from tests.sim.conftest import LinearCost
@@ -99,8 +101,21 @@ def test_a_backlog_packs_the_step(loop):
     assert computed(prompts) == [200, 200, 112, 0]
 
 
-def test_by_default_a_burst_packs_the_step(loop):
+def test_by_default_the_engine_weighs_the_modelled_device_s_step_overhead(loop):
+    # The config's None: the cost model's device's value, not this host's. LinearCost's is a
+    # GPU's, 0: the burst packs; a device whose step costs 10 tokens' worth splits it.
     w = worker(loop)
     prompts = burst(w, 48)
     step(w)
     assert computed(prompts) == [48, 48, 48, 48]
+    cpu_like = replace(LinearCost(), step_overhead_tokens=10)
+    w = SimWorker(WorkerSpec("w", "aggregated"), EngineConfig(num_blocks=256), cpu_like, loop)
+    prompts = burst(w, 48)
+    step(w)
+    assert computed(prompts) == [48, 0, 0, 0]
+
+
+def test_the_device_s_step_overhead_is_a_cpu_s_on_a_cpu_and_none_on_a_gpu():
+    assert EngineConfig(device="cpu").step_overhead_tokens is None  # read by the scheduler
+    assert step_overhead_tokens_for("cpu") == CPU_STEP_OVERHEAD_TOKENS == 16
+    assert step_overhead_tokens_for("cuda:0") == 0
