@@ -97,9 +97,10 @@ def _settings_of(cls: type, options: Sequence[Option], values: dict[str, Any], *
     return cls(**{o.name: values[o.name] for o in options if o.of is cls}, **rest)
 
 
-def _or_none_below_0(value: int) -> int | None:
-    """The command line's -1: the field's None (a default resolved by the device)."""
-    return None if value < 0 else value
+def _none_for_minus_1(value: int) -> int | None:
+    """The command line spells EngineConfig's None (the device's default) as -1; any other
+    negative value reaches EngineConfig, which refuses it."""
+    return None if value == -1 else value
 
 
 def _tls(cert_file: str, key_file: str, ca_file: str) -> TLSFiles:
@@ -234,7 +235,7 @@ def _worker_settings(
     engine = _settings_of(
         EngineConfig, options, values, num_threads=values["threads"] or None,
         kv_offload_path=values["kv_offload_path"] or None,
-        step_overhead_tokens=_or_none_below_0(values["step_overhead_tokens"]),
+        step_overhead_tokens=_none_for_minus_1(values["step_overhead_tokens"]),
     )  # fmt: skip
     return _settings_of(
         WorkerSettings, options, values, role=role, redis_url=values["redis_url"],

@@ -144,6 +144,16 @@ def test_env_vars_and_flags_reach_the_settings(monkeypatch):
     assert settings.engine.num_threads == 3
 
 
+def test_the_step_overhead_flag_s_minus_1_is_the_device_s_default_and_0_turns_it_off():
+    def overhead(flags: list[str]) -> int | None:
+        settings = cli._worker_settings("prefill", cli.PREFILL_OPTIONS, parse("prefill", flags))
+        return settings.engine.step_overhead_tokens
+
+    assert overhead([]) is None  # the scheduler reads the device's: 16 on a CPU, 0 on a GPU
+    assert overhead(["--step-overhead-tokens", "0"]) == 0
+    assert overhead(["--step-overhead-tokens", "24"]) == 24
+
+
 def test_one_env_var_sets_the_length_buckets_of_workers_and_router_alike(monkeypatch):
     monkeypatch.setenv("PDSERVE_SHORT_BELOW", "256")
     monkeypatch.setenv("PDSERVE_LONG_ABOVE", "1024")
