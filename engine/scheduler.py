@@ -55,8 +55,12 @@ class Scheduler:
 
     @property
     def num_queued_tokens(self) -> int:
-        """Tokens still to be prefilled, waiting or in flight: the prefill load signal."""
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        """Prompt tokens still to be computed, waiting or in flight: the prefill load signal.
+        A waiting prompt counts past the prefix it would hit now, as the router counts what it
+        places (its prefix index's hits left out): counted whole, a prompt that waited across a
+        heartbeat left tokens the router never placed in the worker's reported load, and a
+        prompt over the router's budget waited for the next heartbeat at an idle worker."""
+        queued = sum(r.num_tokens - self._cached_tokens(r) for r in self.waiting)
         return queued + self._running_prefill_tokens()
 
     def _running_prefill_tokens(self) -> int:

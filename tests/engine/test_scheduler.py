@@ -97,6 +97,9 @@ def test_a_prefix_another_prompt_is_filling_is_computed_once(engine):
     engine.step()
     # The second waits for the shared blocks; the unrelated prompt behind it does not.
     assert computed(first, second, other) == [200, 0, 56]
+    # The load reported: the second's 40 tokens past the 160 it would hit now (the router
+    # counts a placement so), and the rest of the unrelated prompt.
+    assert engine.stats().num_queued_tokens == 40 + (200 - 56)
     engine.step()
     # The second finds the 160 shared tokens cached and computes its own 40.
     assert computed(first, second, other) == [201, 200, 200]
