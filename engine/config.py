@@ -21,7 +21,7 @@ KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "int8")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 128, 2048
 # A CPU step's fixed cost in prompt tokens' compute (EngineConfig.step_overhead_tokens): the
 # bundled model's, 17.5 ms + 1.08 ms a token at two threads (int4), 35 ms + 2.1 ms at one
-# (fp32), on the Zen 4 host (docs/engine.md). Larger models raise both terms alike.
+# (fp32), on the Zen 4 host (docs/engine.md).
 CPU_STEP_OVERHEAD_TOKENS = 16
 # Decode steps are captured as CUDA graphs at these batch sizes (up to max_num_seqs); a step of n
 # decodes replays the smallest one >= n, the padding rows writing to a scratch block.
