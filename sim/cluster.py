@@ -379,8 +379,6 @@ class Simulation:
                 record = await self.serve(request)
                 if record.status == 429:  # back off as Retry-After says, then send the next
                     await asyncio.sleep(1.0)
-                elif closed.think_s:
-                    await asyncio.sleep(closed.think_s)
 
         await self._gather([self.loop.create_task(client(i)) for i in range(closed.concurrency)])
 

@@ -124,13 +124,13 @@ class OpenLoop:
 
 @dataclass(frozen=True, slots=True)
 class ClosedLoop:
-    """concurrency clients, each sending its next request when the last one ended, until
-    num_requests have been sent (or duration_s has passed)."""
+    """concurrency clients, each sending its next request when the last one ended (after the
+    request's own pause, SimRequest.think_s), until num_requests have been sent (or duration_s
+    has passed)."""
 
     concurrency: int
     num_requests: int
     duration_s: float = float("inf")
-    think_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
