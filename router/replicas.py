@@ -300,7 +300,8 @@ class ReplicaSync:
             self._peer_changed()
 
     def _peer_changed(self) -> None:
-        metrics.ROUTER_REPLICAS.set(len(self.heard_at) + 1)
+        self.pool.num_routers = len(self.heard_at) + 1
+        metrics.ROUTER_REPLICAS.set(self.pool.num_routers)
         self._fence_if_told()
         self.on_peer_change()
 

@@ -196,6 +196,9 @@ class WorkerPool:
     on_assign: Callable[[Role, Assignment], None] | None = None
     # With peers to tell: a prefill-side worker given work is fenced until they are told.
     fencing: bool = False
+    # The routers placing on these workers, this one included, as far as it hears (replicas.py):
+    # placement spreads its choices over that many of the cheapest (Policy.choose).
+    num_routers: int = 1
     fenced: set[str] = field(default_factory=set)
 
     def update(self, role: Role, infos: list[WorkerInfo]) -> None:

@@ -204,10 +204,14 @@ class Admission:
         (Ticket.held_prefix_tokens). Without one, the prefill worker does."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
-            worker = self.policies.aggregated.choose(self.pool.role_views("aggregated"), ticket)
+            worker = self.policies.aggregated.choose(
+                self.pool.role_views("aggregated"), ticket, self.pool.num_routers
+            )
             return None if worker is None else (worker, worker, ticket)
         if self.prefixes is None:
-            prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), ticket)
+            prefill = self.policies.prefill.choose(
+                self.pool.role_views("prefill"), ticket, self.pool.num_routers
+            )
             if prefill is None:
                 return self._overflow(ticket)
             decode = self._choose_decode(ticket)
@@ -219,7 +223,9 @@ class Admission:
         if decode.info.peer_fetch:
             held = self.prefixes.overlap_tokens(decode.info, ticket)
             scored = replace(ticket, held_prefix_tokens=held)
-        prefill = self.policies.prefill.choose(self.pool.role_views("prefill"), scored)
+        prefill = self.policies.prefill.choose(
+            self.pool.role_views("prefill"), scored, self.pool.num_routers
+        )
         return self._overflow(ticket) if prefill is None else (prefill, decode, scored)
 
     def _overflow(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
@@ -228,11 +234,15 @@ class Admission:
         that worker's prefill side, within the same budget), which computes the prompt."""
         if self.settings.prefill_overflow != "decode" or self.policies.aggregated is None:
             return None
-        worker = self.policies.aggregated.choose(self.pool.role_views("decode"), ticket)
+        worker = self.policies.aggregated.choose(
+            self.pool.role_views("decode"), ticket, self.pool.num_routers
+        )
         return None if worker is None else (worker, worker, ticket)
 
     def _choose_decode(self, ticket: Ticket) -> WorkerView | None:
-        return self.policies.decode.choose(self.pool.role_views("decode"), ticket)
+        return self.policies.decode.choose(
+            self.pool.role_views("decode"), ticket, self.pool.num_routers
+        )
 
     def _place(self, ticket: Ticket) -> Lease | None:
         chosen = self._choose(ticket)

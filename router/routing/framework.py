@@ -3,12 +3,13 @@ give each survivor a cost (lower is better), and a picker chooses among them."""
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from router.routing.filters import KVFits, PrefillBudget
-from router.routing.pickers import LowestCost
+from router.routing.pickers import LowestCost, one_of_cheapest
 from router.routing.ranking import Key, Ranking
 from router.routing.scorers import KVUsage
 from router.ticket import Ticket
@@ -95,9 +96,18 @@ class Policy:
         object.__setattr__(self, "_budget", budget)
         object.__setattr__(self, "_needs_room", any(isinstance(f, KVFits) for f in self.filters))
 
-    def choose(self, workers: Sequence[WorkerView], ticket: Ticket) -> WorkerView | None:
-        """The chosen worker, or None when no worker can take the request now."""
-        candidates = self._ranked_candidates(workers, ticket)
+    def choose(
+        self, workers: Sequence[WorkerView], ticket: Ticket, spread: int = 1
+    ) -> WorkerView | None:
+        """The chosen worker, or None when no worker can take the request now. spread: how
+        many routers place on these workers from one view (this one included). A policy that
+        picks the cheapest then picks one of the `spread` cheapest, by the request's id
+        (pickers.one_of_cheapest): routers placing at the same instant, each unaware of the
+        others' choices, spread them as one router placing them in turn would, instead of all
+        giving the single cheapest worker their requests."""
+        if not isinstance(self.picker, LowestCost):
+            spread = 1
+        candidates = self._ranked_candidates(workers, ticket, spread)
         if candidates is None:
             candidates = [w for w in workers if self._keeps(w, ticket)]
         if not candidates:
@@ -106,73 +116,91 @@ class Policy:
         for weight, scorer in self.scorers:
             for i, cost in enumerate(scorer.costs(candidates, ticket)):
                 costs[i] += weight * cost
+        if spread > 1:
+            return one_of_cheapest(candidates, costs, ticket, spread)
         return self.picker.pick(candidates, costs, ticket)
 
     def _keeps(self, worker: WorkerView, ticket: Ticket) -> bool:
         return all(f.keep(worker, ticket) for f in self.filters)
 
     def _ranked_candidates(
-        self, workers: Sequence[WorkerView], ticket: Ticket
+        self, workers: Sequence[WorkerView], ticket: Ticket, num_cheapest: int
     ) -> list[WorkerView] | None:
-        """A few candidates the cheapest of all is among, or None to score them all: the
-        cheapest by the workers' own costs within the prefill budget (if the other filters
-        keep it), and the workers the prefix scorers credit, which alone can undercut it."""
+        """A few candidates the num_cheapest cheapest of all are among, or None to score them
+        all: the cheapest by the workers' own costs within the prefill budget (if the other
+        filters keep them), and the workers the prefix scorers credit, which alone can
+        undercut them."""
         if not self._ranked or not isinstance(workers, RoleViews):
             return None
         if self._kv_use:
-            cheapest = self._walked_cheapest(workers, ticket)
-            if cheapest is False:
-                return None
+            cheapest = self._walked_cheapest(workers, ticket, num_cheapest)
         else:
-            cheapest = workers.index(self, self._new_ranking).cheapest(ticket)
-            if cheapest is not None and not self._keeps(cheapest, ticket):
-                return None
-        if cheapest is None:
-            return []
+            cheapest = self._cheapest_own(workers, ticket, num_cheapest)
+        if not cheapest:
+            return cheapest
         credited: set[str] = set()
         for scorer in self._prefix_scorers:
             ids = scorer.credited_ids(ticket)
             if ids is None:
                 return None
             credited |= ids
-        credited.discard(cheapest.worker_id)
+        credited -= {w.worker_id for w in cheapest}
         views = (workers.get(worker_id) for worker_id in credited)
-        return [cheapest, *(v for v in views if v is not None and self._keeps(v, ticket))]
+        return [*cheapest, *(v for v in views if v is not None and self._keeps(v, ticket))]
 
-    def _walked_cheapest(self, workers: RoleViews, ticket: Ticket) -> WorkerView | None | bool:
-        """The cheapest candidate without prefix credit, for a policy that also weighs KV use
-        (1 - (free - request's blocks) / KV size), among workers of one KV size. The workers
-        within the prefill budget are read in order of the cost less KV use's
+    def _cheapest_own(self, workers: RoleViews, ticket: Ticket, n: int) -> list[WorkerView] | None:
+        """The n cheapest within the prefill budget by the workers' own costs, read in order
+        from the ranking; None (score them all) when another filter refuses one of them."""
+        ranking = workers.index(self, self._new_ranking)
+        if n == 1:
+            found = ranking.cheapest(ticket)
+            cheapest = [] if found is None else [found]
+        else:
+            keys, cheapest = ranking.in_order(ticket), []
+            while len(cheapest) < n and (key := keys.next()) is not None:
+                cheapest.append(ranking.view(key[-1]))
+        if not all(self._keeps(w, ticket) for w in cheapest):
+            return None
+        return cheapest
+
+    def _walked_cheapest(
+        self, workers: RoleViews, ticket: Ticket, n: int
+    ) -> list[WorkerView] | None:
+        """The n cheapest candidates without prefix credit, for a policy that also weighs KV
+        use (1 - (free - request's blocks) / KV size), among workers of one KV size. The
+        workers within the prefill budget are read in order of the cost less KV use's
         request-dependent part, which is the same shift for all of them, so the walk stops once
-        the next key plus the shift is over the best cost found; once one is the best, the rest
+        the next key plus the shift is over the n-th cost found; once one is the n-th, the rest
         with its own cost and free blocks (higher ids) are skipped. The walk reads no further
         than a scan of every candidate would, and usually a few workers: the workers over the
         budget are never read (they were read and refused one by one, more of them the larger
-        the fleet). None: no candidate; False: the workers' KV sizes differ, score them all."""
+        the fleet). [] : no candidate; None: the workers' KV sizes differ, score them all."""
         if not workers.one_kv_size():
-            return False
-        if not self._may_fit(workers, ticket):
             return None
+        if not self._may_fit(workers, ticket):
+            return []
         num_blocks = max(1, workers.largest_total_blocks())
         shift = sum(w * (1.0 + ticket.num_kv_blocks / num_blocks) for w, _ in self._kv_use)
         ranking = workers.index(self, self._new_ranking)
         keys = ranking.in_order(ticket)
-        best: tuple[float, str] | None = None
+        best: list[tuple[float, str]] = []  # the n cheapest read so far, cheapest first
         next_key = keys.next()
         while next_key is not None:
             key, own, fewer_free, worker_id = next_key
             bound = key + shift
-            if best is not None and bound - WALK_MARGIN * (1.0 + abs(bound)) > best[0]:
+            if len(best) == n and bound - WALK_MARGIN * (1.0 + abs(bound)) > best[-1][0]:
                 break
             view = ranking.view(worker_id)
             past: Key | None = None
             if self._keeps(view, ticket):
                 cost = (self._uncredited_cost(view, ticket), worker_id)
-                if best is None or cost < best:
-                    best = cost
-                    past = (key, own, fewer_free + 0.5)  # past its equals' keys
+                if len(best) < n or cost < best[-1]:
+                    insort(best, cost)
+                    del best[n:]
+                    if len(best) == n and best[-1] == cost:
+                        past = (key, own, fewer_free + 0.5)  # past its equals' keys
             next_key = keys.next(past)
-        return None if best is None else ranking.view(best[1])
+        return [ranking.view(worker_id) for _, worker_id in best]
 
     def _may_fit(self, workers: RoleViews, ticket: Ticket) -> bool:
         """Some worker is within the prefill budget and has the request's KV room: the one

@@ -20,6 +20,20 @@ class LowestCost:
         return min(zip(costs, workers, strict=True), key=lambda cw: (cw[0], cw[1].worker_id))[1]
 
 
+def one_of_cheapest(
+    workers: Sequence[WorkerView], costs: Sequence[float], ticket: Ticket, n: int
+) -> WorkerView:
+    """One of the n cheapest (ties to the lower worker id), chosen by rendezvous hashing of
+    the request's id: the same request always gets the same one, and requests spread evenly
+    over them."""
+    ranked = sorted(zip(costs, workers, strict=True), key=lambda cw: (cw[0], cw[1].worker_id))
+
+    def weight(worker: WorkerView) -> bytes:
+        return hashlib.blake2b(ticket.request_id.encode() + worker.worker_id.encode()).digest()
+
+    return max((w for _, w in ranked[:n]), key=weight)
+
+
 @dataclass(slots=True)
 class RoundRobin:
     """Each candidate in turn, ignoring load (a baseline)."""

@@ -183,8 +183,12 @@ def test_kept_views_totals_and_choices_equal_ones_computed_from_scratch(seed):
             assert kept.all_report_capacity() == all(v.total_blocks > 0 for v in scratch)
             speeds = [drain.speed(v.worker_id, v.tokens_per_s) for v in scratch]
             assert drain.pool_speed(kept) == math.fsum(speeds)
-            # the ranked choice (prefill) and the scanned one (every policy), same worker
-            assert policy.choose(kept, probe) == policy.choose(list(scratch), probe)
+            # the ranked choice (prefill) and the scanned one (every policy), same worker, alone
+            # and spread over the cheapest as among three routers
+            for spread in (1, 3):
+                assert policy.choose(kept, probe, spread) == policy.choose(
+                    list(scratch), probe, spread
+                )
 
 
 def test_a_ranked_choice_that_another_filter_refuses_is_made_by_scanning():

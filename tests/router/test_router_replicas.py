@@ -122,6 +122,33 @@ def test_a_fenced_worker_takes_no_more_until_the_peers_are_told():
     assert [v.fenced for v in pool.views("prefill")] == [False, True]
 
 
+def test_routers_placing_at_once_spread_their_requests_over_as_many_cheapest_workers():
+    """With one peer heard, each request goes to one of the two cheapest workers (the same one
+    every time for the same request id), so two routers given requests at the same instant
+    do not all pick the cheapest; alone, every request goes to the cheapest."""
+    policies = build_policies(RoutingSettings("watermark"), AdmissionSettings())
+    pool = pool_of(
+        worker("prefill", "a"), with_load(worker("prefill", "b"), queued_tokens=100),
+        with_load(worker("prefill", "c"), queued_tokens=200),
+    )  # fmt: skip
+    sync = ReplicaSync(pool, "redis://unused", lambda: None, router_id="r1")
+    ids = [f"r{i}" for i in range(40)]
+
+    def choices() -> list[str]:
+        return [
+            policies.prefill.choose(pool.role_views("prefill"), ticket(i, 100), pool.num_routers)
+            .worker_id for i in ids
+        ]  # fmt: skip
+
+    assert pool.num_routers == 1
+    assert set(choices()) == {"a"}
+    sync.take_in(encode("r2", 0, True, {"prefill": [], "decode": []}))
+    assert pool.num_routers == 2
+    spread = choices()
+    assert set(spread) == {"a", "b"}
+    assert spread == choices()
+
+
 def test_a_long_prompt_is_sent_once_the_peers_are_told_of_its_placement():
     """hold(): with a peer to tell, a prompt outside the short bucket waits for the publish
     that tells of it (the next message's, not one already made); a short one never waits."""
