@@ -29,6 +29,7 @@ from router.errors import InvalidRequestError, OverloadedError, RejectReason, Un
 from router.ledger import Assignment
 from router.prefix_index import PrefixIndex
 from router.routing import RoutingPolicies
+from router.routing.framework import Policy
 from router.settings import AdmissionSettings
 from router.ticket import Ticket
 from router.workers import RoleViews, WorkerPool, WorkerView
@@ -204,14 +205,10 @@ class Admission:
         (Ticket.held_prefix_tokens). Without one, the prefill worker does."""
         if self.kind(ticket) == "aggregated":
             assert self.policies.aggregated is not None
-            worker = self.policies.aggregated.choose(
-                self.pool.role_views("aggregated"), ticket, self.pool.num_routers
-            )
+            worker = self._choose_on(self.policies.aggregated, "aggregated", ticket)
             return None if worker is None else (worker, worker, ticket)
         if self.prefixes is None:
-            prefill = self.policies.prefill.choose(
-                self.pool.role_views("prefill"), ticket, self.pool.num_routers
-            )
+            prefill = self._choose_on(self.policies.prefill, "prefill", ticket)
             if prefill is None:
                 return self._overflow(ticket)
             decode = self._choose_decode(ticket)
@@ -223,9 +220,7 @@ class Admission:
         if decode.info.peer_fetch:
             held = self.prefixes.overlap_tokens(decode.info, ticket)
             scored = replace(ticket, held_prefix_tokens=held)
-        prefill = self.policies.prefill.choose(
-            self.pool.role_views("prefill"), scored, self.pool.num_routers
-        )
+        prefill = self._choose_on(self.policies.prefill, "prefill", scored)
         return self._overflow(ticket) if prefill is None else (prefill, decode, scored)
 
     def _overflow(self, ticket: Ticket) -> tuple[WorkerView, WorkerView, Ticket] | None:
@@ -234,15 +229,16 @@ class Admission:
         that worker's prefill side, within the same budget), which computes the prompt."""
         if self.settings.prefill_overflow != "decode" or self.policies.aggregated is None:
             return None
-        worker = self.policies.aggregated.choose(
-            self.pool.role_views("decode"), ticket, self.pool.num_routers
-        )
+        worker = self._choose_on(self.policies.aggregated, "decode", ticket)
         return None if worker is None else (worker, worker, ticket)
 
     def _choose_decode(self, ticket: Ticket) -> WorkerView | None:
-        return self.policies.decode.choose(
-            self.pool.role_views("decode"), ticket, self.pool.num_routers
-        )
+        return self._choose_on(self.policies.decode, "decode", ticket)
+
+    def _choose_on(self, policy: Policy, role: Role, ticket: Ticket) -> WorkerView | None:
+        """The policy's choice among the role's workers, spread over as many of the cheapest
+        as there are routers placing on them (Policy.choose)."""
+        return policy.choose(self.pool.role_views(role), ticket, self.pool.num_routers)
 
     def _place(self, ticket: Ticket) -> Lease | None:
         chosen = self._choose(ticket)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from router.ticket import Ticket
@@ -17,7 +17,7 @@ class LowestCost:
     def pick(
         self, workers: Sequence[WorkerView], costs: Sequence[float], ticket: Ticket
     ) -> WorkerView:
-        return min(zip(costs, workers, strict=True), key=lambda cw: (cw[0], cw[1].worker_id))[1]
+        return min(zip(costs, workers, strict=True), key=_cost_order)[1]
 
 
 def one_of_cheapest(
@@ -26,12 +26,20 @@ def one_of_cheapest(
     """One of the n cheapest (ties to the lower worker id), chosen by rendezvous hashing of
     the request's id: the same request always gets the same one, and requests spread evenly
     over them."""
-    ranked = sorted(zip(costs, workers, strict=True), key=lambda cw: (cw[0], cw[1].worker_id))
+    ranked = sorted(zip(costs, workers, strict=True), key=_cost_order)
+    return _rendezvous(ticket.request_id.encode(), [w for _, w in ranked[:n]])
 
-    def weight(worker: WorkerView) -> bytes:
-        return hashlib.blake2b(ticket.request_id.encode() + worker.worker_id.encode()).digest()
 
-    return max((w for _, w in ranked[:n]), key=weight)
+def _cost_order(cost_worker: tuple[float, WorkerView]) -> tuple[float, str]:
+    """Cheapest first, ties to the lowest worker id, so choices are reproducible."""
+    cost, worker = cost_worker
+    return cost, worker.worker_id
+
+
+def _rendezvous(key: bytes, workers: Iterable[WorkerView]) -> WorkerView:
+    """The worker the key hashes highest with: a worker joining or leaving moves only the
+    keys that hashed to it."""
+    return max(workers, key=lambda w: hashlib.blake2b(key + w.worker_id.encode()).digest())
 
 
 @dataclass(slots=True)
@@ -57,7 +65,4 @@ class PrefixHash:
     def pick(
         self, workers: Sequence[WorkerView], costs: Sequence[float], ticket: Ticket
     ) -> WorkerView:
-        def weight(worker: WorkerView) -> bytes:
-            return hashlib.blake2b(ticket.affinity_key + worker.worker_id.encode()).digest()
-
-        return max(workers, key=weight)
+        return _rendezvous(ticket.affinity_key, workers)
