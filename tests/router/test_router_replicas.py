@@ -15,7 +15,7 @@ from router_harness import pool_of, ticket, with_load, worker
 from pdserve.redis_server import RedisServer
 from router.admission import Admission
 from router.ledger import Assignment, Share
-from router.replicas import KEY_PREFIX, ReplicaSync, decode, encode
+from router.replicas import CHANNEL, KEY_PREFIX, ReplicaSync, decode, encode
 from router.routing import build_policies
 from router.settings import AdmissionSettings, RoutingSettings
 from tests.waiting import wait_until_async
@@ -293,7 +293,7 @@ def test_a_lone_router_publishes_its_full_state_only_until_a_peer_appears(redis_
     async def scenario():
         client = redis.asyncio.Redis.from_url(redis_url)
         pubsub = client.pubsub()
-        await pubsub.subscribe(f"{KEY_PREFIX}:assignments")
+        await pubsub.subscribe(CHANNEL)
         a = router_pool()
         sync_a, task_a = await started(a, redis_url, "lone-a", ttl_s=6.0)  # full every 2 s
         await messages_of(pubsub, "lone-a", lambda seen: len(seen) == 1)
@@ -403,17 +403,26 @@ def test_a_stopped_router_is_forgotten_with_its_assignments(redis_url, swallowed
 
 def test_a_malformed_state_is_ignored(redis_url):
     async def scenario():
+        import redis
         import redis.asyncio
 
         b = router_pool()
         sync_b, task_b = await started(b, redis_url, "strict-b")
         client = redis.asyncio.Redis.from_url(redis_url)
         await client.set(f"{KEY_PREFIX}:junk", "not json")
+        # Redis drops a message published before anyone subscribes: wait for b's subscription.
+        listeners = redis.Redis.from_url(redis_url)
+        await wait_until_async(
+            lambda: listeners.pubsub_numsub(CHANNEL)[0][1],
+            timeout_s=30,
+            message="b never subscribed",
+        )
+        listeners.close()
         await client.publish(
-            f"{KEY_PREFIX}:assignments",
+            CHANNEL,
             json.dumps({"router_id": "x", "seq": 0, "full": True, "prefill": [[1]]}),
         )
-        await client.publish(f"{KEY_PREFIX}:assignments", encode("good", 0, True, {}))
+        await client.publish(CHANNEL, encode("good", 0, True, {}))
         await wait_until_async(
             lambda: "good" in sync_b.heard_at,
             timeout_s=30,
