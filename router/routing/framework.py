@@ -152,7 +152,7 @@ class Policy:
         """The n cheapest within the prefill budget by the workers' own costs, read in order
         from the ranking; None (score them all) when another filter refuses one of them."""
         ranking = workers.index(self, self._new_ranking)
-        if n == 1:
+        if n == 1:  # a lone router's every placement: the tree's minimum, no walk's heap
             found = ranking.cheapest(ticket)
             cheapest = [] if found is None else [found]
         else:

@@ -403,7 +403,6 @@ def test_a_stopped_router_is_forgotten_with_its_assignments(redis_url, swallowed
 
 def test_a_malformed_state_is_ignored(redis_url):
     async def scenario():
-        import redis
         import redis.asyncio
 
         b = router_pool()
